@@ -1,0 +1,297 @@
+"""Configuration: frozen attrs classes loaded from TOML, strictly.
+
+Every key of SPEC.md's contract is here with its default. Unknown keys and values of the wrong
+type are refused with the key's dotted path (``admission.queue_limit``,
+``engines[1].dialect``), so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import attrs
+
+__all__ = [
+    "AdminConfig",
+    "AdmissionConfig",
+    "Config",
+    "ConfigError",
+    "ControlConfig",
+    "EngineConfig",
+    "MaintenanceConfig",
+    "MonitoringConfig",
+    "ServingConfig",
+    "UpstreamConfig",
+    "config_from_mapping",
+    "config_to_mapping",
+    "load_config",
+]
+
+Dialect = Literal["vllm", "sglang", "openai"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the dotted key."""
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"must be greater than 0, got {value!r}")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"must be 0 or greater, got {value!r}")
+
+
+def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 <= value <= 1:
+        raise ConfigError(f"must be between 0 and 1, got {value!r}")
+
+
+def _bind(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"must be HOST:PORT, got {value!r}")
+
+
+def _url(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if not value.startswith(("http://", "https://")):
+        raise ConfigError(f"must be an http:// or https:// URL, got {value!r}")
+
+
+@attrs.frozen
+class ServingConfig:
+    """``[serving]``: what is served and where."""
+
+    model: str = "llama-3.1-8b-instruct"
+    bind: str = attrs.field(default="127.0.0.1:8000", validator=_bind)
+    max_request_bytes: int = attrs.field(default=1_048_576, validator=_positive)
+    request_deadline_s: float = attrs.field(default=300.0, validator=_positive)
+
+
+@attrs.frozen
+class AdmissionConfig:
+    """``[admission]``: limits and the TTFT budget."""
+
+    mode: Literal["open", "predictive"] = "predictive"
+    http_retention_limit: int = attrs.field(default=1024, validator=_positive)
+    queue_limit: int = attrs.field(default=256, validator=_positive)
+    admission_wait_s: float = attrs.field(default=20.0, validator=_positive)
+    ttft_budget_s: float = attrs.field(default=2.0, validator=_positive)
+    prefill_concurrency: int = attrs.field(default=4, validator=_positive)
+    decode_concurrency: int = attrs.field(default=128, validator=_positive)
+    frontend_overhead_s: float = attrs.field(default=0.005, validator=_non_negative)
+    tpot_target_s: float = attrs.field(default=0.1, validator=_positive)
+
+
+@attrs.frozen
+class UpstreamConfig:
+    """``[upstream]``: transport settings shared by every engine's HTTP client."""
+
+    connect_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    read_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    max_connections: int = attrs.field(default=512, validator=_positive)
+
+
+@attrs.frozen
+class EngineConfig:
+    """One ``[[engines]]`` entry."""
+
+    name: str
+    url: str = attrs.field(validator=_url)
+    dialect: Dialect = "vllm"
+    wave: str = "a"
+    profile: str = "h100-llama3-8b"
+    token_ids: bool | None = None
+    prefill_concurrency: int | None = attrs.field(default=None, validator=_positive)
+    decode_concurrency: int | None = attrs.field(default=None, validator=_positive)
+
+    @property
+    def wants_token_ids(self) -> bool:
+        """Whether to ask this engine for token IDs (default: only the vllm dialect)."""
+        return self.dialect == "vllm" if self.token_ids is None else self.token_ids
+
+
+@attrs.frozen
+class ControlConfig:
+    """``[control]``: HA lease and shutdown."""
+
+    lease: Literal["none", "etcd"] = "none"
+    etcd_endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
+    lease_ttl_s: float = attrs.field(default=5.0, validator=_positive)
+    cluster: str = "narwhal"
+    drain_deadline_s: float = attrs.field(default=30.0, validator=_non_negative)
+
+
+@attrs.frozen
+class MonitoringConfig:
+    """``[monitoring]``: engine polls and the router's own health."""
+
+    poll_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    stale_after_s: float = attrs.field(default=5.0, validator=_positive)
+    max_loop_lag_s: float = attrs.field(default=0.25, validator=_positive)
+
+
+@attrs.frozen
+class MaintenanceConfig:
+    """``[maintenance]``: the capacity guard of maintenance waves."""
+
+    min_capacity_share: float = attrs.field(default=0.5, validator=_fraction)
+
+
+@attrs.frozen
+class AdminConfig:
+    """``[admin]``: who may use the admin routes."""
+
+    token: str = ""
+    allow_loopback_without_token: bool = False
+
+
+def _unique_engine_names(
+    instance: object, attribute: attrs.Attribute[Any], value: tuple[EngineConfig, ...]
+) -> None:
+    seen: set[str] = set()
+    for engine in value:
+        if engine.name in seen:
+            raise ConfigError(f"engine name {engine.name!r} is used twice")
+        seen.add(engine.name)
+
+
+@attrs.frozen
+class Config:
+    """The whole configuration."""
+
+    serving: ServingConfig = ServingConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    engines: tuple[EngineConfig, ...] = attrs.field(default=(), validator=_unique_engine_names)
+    control: ControlConfig = ControlConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
+    maintenance: MaintenanceConfig = MaintenanceConfig()
+    admin: AdminConfig = AdminConfig()
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML configuration file.
+
+    Raises:
+        ConfigError: the file is missing, is not TOML, or holds an unknown key or a bad value.
+    """
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return config_from_mapping(data)
+
+
+def config_from_mapping(data: Mapping[str, Any]) -> Config:
+    """Build a :class:`Config` from parsed TOML (or any mapping of the same shape).
+
+    Raises:
+        ConfigError: an unknown key or a bad value, named by its dotted path.
+    """
+    return _build(Config, data, "")
+
+
+def _build(cls: type[Any], data: Any, path: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'the configuration'}: expected a table")
+    hints = typing.get_type_hints(cls)
+    fields = {field.name: field for field in attrs.fields(cls)}
+    for key in data:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{_join(path, key)}: unknown key (known keys: {known})")
+    values = {}
+    for name, value in data.items():
+        values[name] = _convert(hints[name], value, _join(path, name))
+    for name, field in fields.items():
+        if name not in values and field.default is attrs.NOTHING:
+            raise ConfigError(f"{_join(path, name)}: required key is missing")
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        # attrs validators do not know the path; find which field complained.
+        raise ConfigError(f"{_locate(cls, values, path)}: {exc}") from None
+
+
+def _locate(cls: type[Any], values: dict[str, Any], path: str) -> str:
+    for field in attrs.fields(cls):
+        if field.validator is None or field.name not in values:
+            continue
+        try:
+            field.validator(None, field, values[field.name])
+        except ConfigError:
+            return _join(path, field.name)
+    return path or "the configuration"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = get_origin(hint)
+    if attrs.has(hint):
+        return _build(hint, value, path)
+    if origin in (typing.Union, types.UnionType):
+        options = [arg for arg in get_args(hint) if arg is not type(None)]
+        return _convert(options[0], value, path)
+    if origin is Literal:
+        allowed = get_args(hint)
+        if value not in allowed:
+            choices = ", ".join(repr(a) for a in allowed)
+            raise ConfigError(f"{path}: must be one of {choices}, got {value!r}")
+        return value
+    if origin is tuple:
+        item_hint = get_args(hint)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected an array, got {_kind(value)}")
+        return tuple(_convert(item_hint, item, f"{path}[{i}]") for i, item in enumerate(value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {_kind(value)}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {_kind(value)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {_kind(value)}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {_kind(value)}")
+        return value
+    raise TypeError(f"{path}: unsupported configuration type {hint!r}")  # pragma: no cover
+
+
+def _kind(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return f"{kinds.get(type(value), type(value).__name__)} ({value!r})"
+
+
+def config_to_mapping(config: Config) -> dict[str, Any]:
+    """The effective values, shaped like the TOML file (what ``check-config`` prints)."""
+    data: dict[str, Any] = attrs.asdict(config, retain_collection_types=False)
+    for engine in data["engines"]:
+        for key in [key for key, value in engine.items() if value is None]:
+            del engine[key]
+    return data

@@ -1,0 +1,274 @@
+"""Narwhal's one exception tree.
+
+Every error a client can see is a :class:`NarwhalError`. Each class knows its HTTP status, the
+OpenAI envelope fields (``type``, ``code``, ``param``), the extra headers it carries
+(``Retry-After``, ``x-should-retry``) and the terminal class it is counted under (SPEC.md,
+Admission counters). The web layer translates them to responses in exactly one place.
+
+::
+
+    NarwhalError
+    ├── InvalidRequest                 400 invalid_request            invalid_requests
+    │   ├── InvalidSamplingWidth       400 invalid_sampling_width
+    │   ├── UnsupportedOption          400 unsupported_option
+    │   ├── ModelNotFound              404 model_not_found
+    │   ├── RequestTooLarge            413 request_too_large
+    │   └── EngineRejectedRequest      4xx (the engine's status and code)
+    ├── RouteNotFound                  404 not_found                  (not offered)
+    ├── MethodNotAllowed               405 method_not_allowed         (not offered)
+    ├── CapacityRejection              429 http_retention_full / admission_queue_full  rejected
+    ├── PredictiveRefusal              429 ttft_budget_exceeded / prompt_exceeds_ttft_budget  refused
+    ├── Expired                        504 admission_wait_expired / request_deadline_expired  expired
+    ├── Unavailable                    503 backend_unavailable / router_*  unavailable
+    └── UpstreamFailure                502                              failed
+        ├── EngineError                502 engine_error
+        └── EngineResponseError        502 unsupported_engine_field / malformed_engine_response
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+__all__ = [
+    "CapacityRejection",
+    "EngineError",
+    "EngineRejectedRequest",
+    "EngineResponseError",
+    "Expired",
+    "InvalidRequest",
+    "InvalidSamplingWidth",
+    "MethodNotAllowed",
+    "ModelNotFound",
+    "NarwhalError",
+    "PredictiveRefusal",
+    "RequestTooLarge",
+    "RouteNotFound",
+    "Unavailable",
+    "UnsupportedOption",
+    "UpstreamFailure",
+    "envelope",
+]
+
+
+def envelope(message: str, type_: str, code: str | None, param: str | None) -> dict[str, Any]:
+    """The OpenAI error body: all four keys, always present."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class NarwhalError(Exception):
+    """Base of every error a client can see.
+
+    Attributes:
+        status: HTTP status of the refusal.
+        type: the envelope's ``type``.
+        code: the envelope's ``code`` (a string).
+        param: the envelope's ``param``: the field at fault, or ``None``.
+        headers: extra response headers.
+        counted_as: the terminal class of SPEC.md this outcome is counted under, or ``None``
+            for responses that are not offered requests (unknown routes).
+    """
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str] = "internal_error"
+    counted_as: ClassVar[str | None] = "failed"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    @property
+    def http_status(self) -> int:
+        """The status this instance answers with (an engine's 4xx may differ per instance)."""
+        return self.status
+
+    def envelope(self) -> dict[str, Any]:
+        """The error body for this instance."""
+        return envelope(self.message, self.type, self.code, self.param)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, code={self.code!r}, param={self.param!r})"
+
+
+# -- 4xx: the request is at fault -------------------------------------------------------------
+
+
+class InvalidRequest(NarwhalError):
+    """Invalid JSON, body shape or field type (400); ``param`` names the field."""
+
+    status = 400
+    type = "invalid_request_error"
+    default_code = "invalid_request"
+    counted_as = "invalid_requests"
+
+
+class InvalidSamplingWidth(InvalidRequest):
+    """``n > 1`` or ``best_of > 1``: Narwhal serves one sequence per request."""
+
+    default_code = "invalid_sampling_width"
+
+
+class UnsupportedOption(InvalidRequest):
+    """An option Narwhal cannot honour (non-streaming audio, non-text modality, custom tools)."""
+
+    default_code = "unsupported_option"
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model other than the one configured."""
+
+    status = 404
+    default_code = "model_not_found"
+
+
+class RequestTooLarge(InvalidRequest):
+    """The body is larger than ``serving.max_request_bytes``."""
+
+    status = 413
+    default_code = "request_too_large"
+
+
+class EngineRejectedRequest(InvalidRequest):
+    """The engine answered a 4xx: the envelope is normalised, the status kept."""
+
+    def __init__(
+        self, message: str, *, status: int, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self._status = status
+
+    @property
+    def http_status(self) -> int:
+        return self._status
+
+
+class RouteNotFound(NarwhalError):
+    """No such route."""
+
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+    counted_as = None
+
+
+class MethodNotAllowed(NarwhalError):
+    """The route exists but not with this method."""
+
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+    counted_as = None
+
+
+# -- 429, 503, 504: the router refuses or gives up ---------------------------------------------
+
+
+class CapacityRejection(NarwhalError):
+    """HTTP retention or admission queue full: ``code`` says which."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "admission_queue_full"
+    counted_as = "rejected"
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": "1"})
+
+
+class PredictiveRefusal(NarwhalError):
+    """Predictive admission refuses: over the TTFT budget, or the prompt alone is."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "ttft_budget_exceeded"
+    counted_as = "refused"
+
+    @classmethod
+    def over_budget(cls, overrun_s: float) -> PredictiveRefusal:
+        """The projection is strictly over budget by ``overrun_s`` seconds."""
+        seconds = min(120, max(1, math.floor(overrun_s + 0.5)))
+        millis = min(120_000, max(1000, math.ceil(overrun_s * 1000)))
+        return cls(
+            f"Projected time to first token exceeds the budget by {overrun_s:.3f} s; "
+            f"retry after {seconds} s.",
+            code="ttft_budget_exceeded",
+            headers={"Retry-After": str(seconds), "retry-after-ms": str(millis)},
+        )
+
+    @classmethod
+    def prompt_too_long(cls, predicted_s: float, budget_s: float) -> PredictiveRefusal:
+        """The prompt's own prefill is over budget: waiting cannot help."""
+        return cls(
+            f"The prompt alone needs about {predicted_s:.3f} s before its first token, over the "
+            f"time-to-first-token budget of {budget_s:.3f} s: shorten the prompt or raise the "
+            "target.",
+            code="prompt_exceeds_ttft_budget",
+            headers={"x-should-retry": "false"},
+        )
+
+
+class Expired(NarwhalError):
+    """The admission wait or the request deadline ran out before response headers."""
+
+    status = 504
+    type = "timeout_error"
+    default_code = "request_deadline_expired"
+    counted_as = "expired"
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message, code=code, headers={"x-should-retry": "false"})
+
+
+class Unavailable(NarwhalError):
+    """No engine can take the request, or the router is not active (``router_*`` codes)."""
+
+    status = 503
+    type = "service_unavailable_error"
+    default_code = "backend_unavailable"
+    counted_as = "unavailable"
+
+    def __init__(self, message: str, *, code: str = "backend_unavailable") -> None:
+        super().__init__(message, code=code, headers={"Retry-After": "1"})
+
+
+# -- 502: the engine failed us ------------------------------------------------------------------
+
+
+class UpstreamFailure(NarwhalError):
+    """Base of the engine-side failures (502)."""
+
+    status = 502
+    type = "upstream_error"
+    default_code = "engine_error"
+    counted_as = "failed"
+
+
+class EngineError(UpstreamFailure):
+    """The engine was unreachable, answered 5xx, sent an error frame or broke its stream."""
+
+    default_code = "engine_error"
+
+
+class EngineResponseError(UpstreamFailure):
+    """The engine's answer has a field assembly cannot honour, or a malformed one.
+
+    ``code`` is ``unsupported_engine_field`` or ``malformed_engine_response``; ``param`` the path
+    of the field (``choices[0].delta.audio``, ``choices[0].token_ids``). Retrying the same
+    request would meet the same answer, hence ``x-should-retry: false``.
+    """
+
+    default_code = "malformed_engine_response"
+
+    def __init__(self, message: str, *, param: str | None, code: str) -> None:
+        super().__init__(message, param=param, code=code, headers={"x-should-retry": "false"})
