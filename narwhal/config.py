@@ -290,7 +290,7 @@ def _kind(value: Any) -> str:
 
 def config_to_mapping(config: Config) -> dict[str, Any]:
     """The effective values, shaped like the TOML file (what ``check-config`` prints)."""
-    data: dict[str, Any] = attrs.asdict(config, retain_collection_types=False)
+    data: dict[str, Any] = attrs.asdict(config)
     for engine in data["engines"]:
         for key in [key for key, value in engine.items() if value is None]:
             del engine[key]

@@ -1,1 +1,21 @@
-"""upstream."""
+"""Engines over HTTP: pooled clients, streams, and what Narwhal adds to a request."""
+
+from narwhal.upstream.client import (
+    ChunkEvent,
+    DoneEvent,
+    EngineClient,
+    ErrorFrameEvent,
+    UpstreamEvent,
+    UpstreamStream,
+)
+from narwhal.upstream.dialects import upstream_body
+
+__all__ = [
+    "ChunkEvent",
+    "DoneEvent",
+    "EngineClient",
+    "ErrorFrameEvent",
+    "UpstreamEvent",
+    "UpstreamStream",
+    "upstream_body",
+]

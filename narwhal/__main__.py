@@ -1,0 +1,7 @@
+"""``python -m narwhal`` is the ``narwhal`` command."""
+
+import sys
+
+from narwhal.cli import main
+
+sys.exit(main())

@@ -1,0 +1,62 @@
+"""Running the router under Hypercorn's Trio worker, embedded or from the command line."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Awaitable, Callable, Mapping
+
+import httpx
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from narwhal.config import Config
+from narwhal.web.app import create_app
+
+__all__ = ["hypercorn_config", "serve"]
+
+
+def hypercorn_config(bind: str) -> HypercornConfig:
+    """Hypercorn settings for a streaming router: no access log, no keep-alive cut of streams."""
+    settings = HypercornConfig()
+    settings.bind = [bind]
+    settings.accesslog = None
+    settings.errorlog = "-"
+    settings.keep_alive_timeout = 75
+    settings.graceful_timeout = 5
+    return settings
+
+
+async def serve(
+    config: Config,
+    *,
+    bind: str | None = None,
+    transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the router until cancelled (or ``shutdown_trigger`` returns).
+
+    Embeddable in any Trio program: ``urls = await nursery.start(serve, config)``.
+
+    Args:
+        config: the configuration.
+        bind: ``HOST:PORT`` overriding ``serving.bind`` (port 0 picks a free port).
+        transports: optional in-process transports by engine name.
+        shutdown_trigger: awaitable that ends serving gracefully when it returns.
+        task_status: receives the list of bound URLs once listening.
+    """
+    app = create_app(config, transports=transports)
+    await hypercorn_serve(
+        app,
+        hypercorn_config(bind or config.serving.bind),
+        shutdown_trigger=shutdown_trigger,
+        task_status=task_status,
+    )
+
+
+async def wait_for_signal() -> None:
+    """Return on SIGINT or SIGTERM (the command line's shutdown trigger)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return

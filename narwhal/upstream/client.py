@@ -1,0 +1,250 @@
+"""One pooled httpx client per engine, and the streams opened through it.
+
+Transport timeouts (connect, the longest gap between two reads) are set once per engine from
+``[upstream]``; request deadlines are cancel scopes opened by the caller, never timeouts here.
+httpx's exceptions are translated at this boundary into :mod:`narwhal.errors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+import httpx
+import orjson
+
+from narwhal.config import EngineConfig, UpstreamConfig
+from narwhal.errors import EngineError, EngineRejectedRequest, EngineResponseError
+from narwhal.protocol.chunks import ChunkFacts, inspect_chunk
+from narwhal.protocol.sse import DONE, SSEDecoder
+
+__all__ = [
+    "ChunkEvent",
+    "DoneEvent",
+    "EngineClient",
+    "ErrorFrameEvent",
+    "UpstreamEvent",
+    "UpstreamStream",
+    "normalise_engine_error",
+]
+
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@attrs.frozen(slots=True)
+class ChunkEvent:
+    """A decoded, validated chunk, with its raw bytes for forwarding unchanged."""
+
+    raw: bytes
+    chunk: dict[str, Any]
+    facts: ChunkFacts
+
+
+@attrs.frozen(slots=True)
+class ErrorFrameEvent:
+    """An in-band ``data: {"error": ...}`` frame."""
+
+    error: dict[str, Any]
+
+    def message(self) -> str:
+        """The engine's message, for logs and the client's in-band error."""
+        message = self.error.get("message") if isinstance(self.error, dict) else None
+        return str(message) if message else "the engine reported an error mid-stream"
+
+
+@attrs.frozen(slots=True)
+class DoneEvent:
+    """``data: [DONE]``, or the end of the body; ``clean`` is false for a missing ``[DONE]``."""
+
+    clean: bool
+
+
+UpstreamEvent = ChunkEvent | ErrorFrameEvent | DoneEvent
+
+
+class EngineClient:
+    """The connection pool to one engine."""
+
+    def __init__(
+        self,
+        engine: EngineConfig,
+        upstream: UpstreamConfig,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.engine = engine
+        timeout = httpx.Timeout(
+            connect=upstream.connect_timeout_s,
+            read=upstream.read_timeout_s,
+            write=upstream.connect_timeout_s,
+            pool=upstream.connect_timeout_s,
+        )
+        limits = httpx.Limits(
+            max_connections=upstream.max_connections,
+            max_keepalive_connections=upstream.max_connections,
+        )
+        self.http = httpx.AsyncClient(
+            base_url=engine.url, timeout=timeout, limits=limits, transport=transport
+        )
+
+    async def aclose(self) -> None:
+        """Close every pooled connection."""
+        await self.http.aclose()
+
+    async def open_stream(
+        self,
+        route: Literal["chat", "completions"],
+        body: bytes,
+        *,
+        ids_required: bool,
+        headers: Mapping[str, str] | None = None,
+    ) -> UpstreamStream:
+        """POST ``body`` and return the open event stream.
+
+        The caller owns the stream and must close it (``async with``).
+
+        Raises:
+            EngineError: the engine is unreachable or answered 5xx.
+            EngineRejectedRequest: the engine answered 4xx (normalised envelope).
+        """
+        request = self.http.build_request(
+            "POST",
+            _PATHS[route],
+            content=body,
+            headers={"content-type": "application/json", "accept": "text/event-stream"}
+            | dict(headers or {}),
+        )
+        try:
+            response = await self.http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine {self.engine.name} is unreachable: {exc!r}") from exc
+        if response.status_code >= 400:
+            try:
+                content = await response.aread()
+            except httpx.HTTPError:
+                content = b""
+            finally:
+                await response.aclose()
+            raise normalise_engine_error(self.engine.name, response.status_code, content)
+        return UpstreamStream(self.engine.name, response, route, ids_required=ids_required)
+
+    async def get_json(self, path: str) -> Any:
+        """GET ``path`` and decode its JSON (health and model probes).
+
+        Raises:
+            EngineError: unreachable, a non-200 answer, or not JSON.
+        """
+        try:
+            response = await self.http.get(path)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine {self.engine.name} is unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise EngineError(f"engine {self.engine.name} answered {response.status_code}")
+        try:
+            return orjson.loads(response.content) if response.content else None
+        except orjson.JSONDecodeError as exc:
+            raise EngineError(f"engine {self.engine.name} sent non-JSON on {path}") from exc
+
+
+def normalise_engine_error(engine: str, status: int, content: bytes) -> EngineError | EngineRejectedRequest:
+    """Turn an engine's error answer (nested, flat or bare) into a Narwhal error.
+
+    A 4xx keeps its status and the engine's ``param`` (with FastAPI's ``body.`` prefix
+    stripped); a 5xx becomes :class:`EngineError`, which the caller may retry elsewhere.
+    """
+    message, param, code = f"engine {engine} answered HTTP {status}", None, None
+    try:
+        decoded = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        decoded = None
+    if isinstance(decoded, dict):
+        error = decoded.get("error", decoded)
+        if isinstance(error, str):
+            message = error
+        elif isinstance(error, dict):
+            if isinstance(error.get("message"), str):
+                message = error["message"]
+            if isinstance(error.get("param"), str):
+                param = error["param"].removeprefix("body.")
+            if isinstance(error.get("code"), str) and error["code"]:
+                code = error["code"]
+    if 400 <= status < 500:
+        return EngineRejectedRequest(message, status=status, param=param, code=code)
+    return EngineError(f"engine {engine} answered HTTP {status}: {message}")
+
+
+class UpstreamStream:
+    """An open engine event stream, decoded and validated event by event."""
+
+    def __init__(
+        self,
+        engine: str,
+        response: httpx.Response,
+        route: Literal["chat", "completions"],
+        *,
+        ids_required: bool,
+    ) -> None:
+        self.engine = engine
+        self.route = route
+        self.ids_required = ids_required
+        self._response = response
+        self._reader = response.aiter_raw()
+        self._decoder = SSEDecoder()
+        self._pending: list[Any] = []
+        self._position = 0
+        self._ended = False
+
+    async def __aenter__(self) -> UpstreamStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection (the engine sees the client go away and aborts)."""
+        await self._response.aclose()
+
+    async def next_event(self) -> UpstreamEvent:
+        """The next event of the stream.
+
+        Raises:
+            EngineError: the connection broke, or the body ended before a finish.
+            EngineResponseError: an event is not JSON, or breaks the token-ID rules.
+        """
+        while self._position >= len(self._pending):
+            if self._ended:
+                return DoneEvent(clean=False)
+            self._pending = await self._read_events()
+            self._position = 0
+        sse = self._pending[self._position]
+        self._position += 1
+        return self._decode(sse.data)
+
+    async def _read_events(self) -> list[Any]:
+        try:
+            data = await self._reader.__anext__()
+        except StopAsyncIteration:
+            self._ended = True
+            rest = self._decoder.flush()
+            return [rest] if rest is not None else []
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine {self.engine} broke the stream: {exc!r}") from exc
+        return self._decoder.feed(data)
+
+    def _decode(self, data: bytes) -> UpstreamEvent:
+        if data == DONE:
+            return DoneEvent(clean=True)
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise EngineResponseError(
+                f"engine {self.engine} sent an event that is not JSON",
+                param=None,
+                code="malformed_engine_response",
+            ) from exc
+        if type(chunk) is dict and chunk.get("error"):
+            error = chunk["error"]
+            return ErrorFrameEvent(error if isinstance(error, dict) else {"message": str(error)})
+        facts = inspect_chunk(chunk, self.route, ids_required=self.ids_required)
+        return ChunkEvent(data, chunk, facts)

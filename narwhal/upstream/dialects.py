@@ -1,0 +1,38 @@
+"""What Narwhal adds to a client's body before it goes upstream (pure).
+
+Upstream, Narwhal always streams, always asks for the usage chunk (so output length and prompt
+size are measured even where IDs are unavailable), and asks engines that provide token IDs for
+them one token per event (``return_token_ids``, ``stream_interval: 1``). The returned
+:class:`~narwhal.protocol.chunks.Exposure` says what must be hidden again from the client.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from narwhal.protocol.chunks import Exposure
+from narwhal.protocol.requests import CompletionRequest
+
+__all__ = ["upstream_body"]
+
+
+def upstream_body(request: CompletionRequest, *, token_ids: bool) -> tuple[bytes, Exposure]:
+    """The engine's request body for ``request``, and what to hide from the client.
+
+    Args:
+        request: the validated client request (its body is not modified).
+        token_ids: ask the engine for token IDs.
+    """
+    body = dict(request.body)
+    body["stream"] = True
+    options = dict(request.body.get("stream_options") or {})
+    options["include_usage"] = True
+    body["stream_options"] = options
+    if token_ids:
+        body["return_token_ids"] = True
+        body["stream_interval"] = 1
+    exposure = Exposure(
+        hide_token_ids=token_ids and not request.wants_token_ids,
+        drop_usage_chunk=not (request.stream and request.include_usage),
+    )
+    return orjson.dumps(body), exposure

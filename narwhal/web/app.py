@@ -1,0 +1,126 @@
+"""The Quart-Trio application factory.
+
+Quart's own limits and error pages are switched off or translated: every error a client can
+see is the OpenAI envelope. ``RESPONSE_TIMEOUT`` is disabled so long streams are never cut;
+Narwhal's own deadlines (cancel scopes) govern instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import httpx
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from narwhal.config import Config
+from narwhal.errors import (
+    MethodNotAllowed,
+    NarwhalError,
+    RequestTooLarge,
+    RouteNotFound,
+    UpstreamFailure,
+)
+from narwhal.router import Router
+from narwhal.web.body import NarwhalRequest
+from narwhal.web.completions import handle_completion
+from narwhal.web.metrics import CONTENT_TYPE
+from narwhal.web.responses import error_response, json_response
+
+__all__ = ["create_app", "get_router"]
+
+log = logging.getLogger(__name__)
+
+
+def get_router(app: QuartTrio) -> Router:
+    """The :class:`~narwhal.router.Router` behind an app made by :func:`create_app`."""
+    router: Router = app.extensions["narwhal"]
+    return router
+
+
+def create_app(
+    config: Config,
+    *,
+    transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
+) -> QuartTrio:
+    """Build the router's ASGI application.
+
+    Args:
+        config: the configuration.
+        transports: optional httpx transports by engine name, in place of the network (the
+            in-process simulator for tests and the demo).
+    """
+    app = QuartTrio("narwhal")
+    app.request_class = NarwhalRequest
+    app.config.update(
+        RESPONSE_TIMEOUT=None,
+        BODY_TIMEOUT=config.serving.request_deadline_s,
+        MAX_CONTENT_LENGTH=config.serving.max_request_bytes,
+        PROVIDE_AUTOMATIC_OPTIONS=False,
+    )
+    router = Router(config, transports=transports)
+    app.extensions["narwhal"] = router
+
+    @app.before_serving
+    async def start() -> None:
+        await router.start(app.nursery)
+
+    @app.after_serving
+    async def stop() -> None:
+        await router.aclose()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await handle_completion(router, "chat")
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await handle_completion(router, "completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        model = config.serving.model
+        return json_response(
+            {
+                "object": "list",
+                "data": [{"id": model, "object": "model", "created": 0, "owned_by": "narwhal"}],
+            }
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        stats = router.statistics()
+        return json_response(stats.as_json(), status=200 if stats.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), content_type=CONTENT_TYPE)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        error: NarwhalError
+        if exc.code == 404:
+            error = RouteNotFound(f"No route {request.method} {request.path}.")
+        elif exc.code == 405:
+            error = MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
+        elif exc.code == 413:
+            error = RequestTooLarge(
+                f"The request body is larger than {config.serving.max_request_bytes} bytes."
+            )
+        else:
+            error = NarwhalError(exc.description or "HTTP error", code="http_error")
+            error.status = exc.code or 500  # type: ignore[misc]
+        return error_response(error)
+
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception) -> Response:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(UpstreamFailure("Internal router error.", code="internal_error"))
+
+    return app

@@ -1,0 +1,259 @@
+"""The completion routes: from arrival to the last byte.
+
+A request reads top to bottom: count it offered; read the body within the byte limit; validate
+it (:mod:`narwhal.protocol.requests`); place it and open its upstream stream, retrying once
+before headers (:mod:`narwhal.upstream.exchange`); then relay the stream or assemble one
+response. The request deadline is a cancel scope around each wait, opened here and nowhere
+else. Every path ends by finishing the request's :class:`~narwhal.admission.accounting.Ticket`
+exactly once.
+
+The upstream stream lives in the request's own task: Quart-Trio runs the handler and then
+iterates the response body in the same task of the per-request nursery, which it cancels when
+the client disconnects. A disconnect therefore raises ``Cancelled`` (or closes the body
+generator) wherever the request is waiting, and the ``finally`` clauses close the upstream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import trio
+from quart import Response, request
+
+from narwhal.admission.sizing import estimate_prompt_tokens
+from narwhal.errors import (
+    EngineError,
+    EngineResponseError,
+    Expired,
+    InvalidRequest,
+    NarwhalError,
+    UnsupportedOption,
+    UpstreamFailure,
+)
+from narwhal.protocol.assembly import Assembler
+from narwhal.protocol.chunks import expose
+from narwhal.protocol.requests import CompletionRequest, Route, parse_request
+from narwhal.protocol.sse import encode_data, encode_done
+from narwhal.router import Router
+from narwhal.upstream.client import ChunkEvent, DoneEvent, ErrorFrameEvent
+from narwhal.upstream.exchange import Exchange, open_exchange
+from narwhal.web.body import read_body
+from narwhal.web.responses import error_response, json_response
+
+__all__ = ["handle_completion", "parse_deadline_headers"]
+
+log = logging.getLogger(__name__)
+
+DEADLINE_HEADERS = ("x-narwhal-deadline-ms", "x-envoy-expected-rq-timeout-ms")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def parse_deadline_headers(headers: Any, default_s: float) -> float:
+    """The effective deadline in seconds: the smallest of the default and both headers.
+
+    Raises:
+        InvalidRequest: a header is not an integer number of milliseconds >= 1.
+    """
+    seconds = default_s
+    for name in DEADLINE_HEADERS:
+        value = headers.get(name)
+        if value is None:
+            continue
+        text = value.strip()
+        if not text.isascii() or not text.isdigit() or int(text) < 1:
+            raise InvalidRequest(
+                f"`{name}` must be an integer number of milliseconds, at least 1; got {value!r}.",
+                param=name,
+            )
+        seconds = min(seconds, int(text) / 1000)
+    return seconds
+
+
+async def handle_completion(router: Router, route: Route) -> Response:
+    """Serve one completion request (both routes)."""
+    arrival = trio.current_time()
+    ticket = router.accounting.offer()
+    config = router.config
+    exchange: Exchange | None = None
+    try:
+        deadline = arrival + parse_deadline_headers(
+            request.headers, config.serving.request_deadline_s
+        )
+        with trio.move_on_at(deadline) as scope:
+            raw = await read_body(request, config.serving.max_request_bytes)
+            parsed = parse_request(raw, route, config.serving.model)
+            if parsed.wants_token_ids and not router.pool.any_provides_token_ids():
+                raise UnsupportedOption(
+                    "`return_token_ids` was requested but no engine behind this router provides "
+                    "token IDs.",
+                    param="return_token_ids",
+                )
+            ticket.sized = True
+            exchange = await open_exchange(router.pool, parsed, arrival)
+            if not parsed.stream:
+                body = await _assemble(router, exchange, parsed)
+        if scope.cancelled_caught:
+            raise Expired(
+                "The request deadline passed before the response could start.",
+                code="request_deadline_expired",
+            )
+    except NarwhalError as exc:
+        if exchange is not None:
+            await exchange.aclose()
+        if exc.counted_as is not None:
+            ticket.finish(exc.counted_as, exc.code)  # type: ignore[arg-type]
+        return error_response(exc)
+    except BaseException:
+        if exchange is not None:
+            await exchange.aclose()
+        if ticket.finished is None:
+            ticket.finish("cancelled")
+        raise
+    if not parsed.stream:
+        await exchange.aclose()
+        exchange.record_outcome(ok=True)
+        _record_measurements(router, exchange)
+        ticket.finish("completed")
+        return json_response(body)
+    response = Response(
+        _relay(router, exchange, ticket, deadline),
+        status=200,
+        content_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+    response.timeout = None
+    return response
+
+
+async def _assemble(router: Router, exchange: Exchange, parsed: CompletionRequest) -> dict[str, Any]:
+    """Consume the whole upstream stream into one response body."""
+    assembler = Assembler(
+        parsed.route,
+        expose_token_ids=parsed.wants_token_ids,
+        prompt_tokens_estimate=estimate_prompt_tokens(parsed),
+    )
+    for event in exchange.take_held():
+        assembler.feed(event.chunk)
+    while True:
+        upstream = await exchange.stream.next_event()
+        if isinstance(upstream, ChunkEvent):
+            exchange.observe(upstream)
+            assembler.feed(upstream.chunk)
+        elif isinstance(upstream, ErrorFrameEvent):
+            raise EngineError(f"engine {exchange.engine.name} failed: {upstream.message()}")
+        else:
+            if not upstream.clean and not exchange.finished:
+                raise EngineError(f"engine {exchange.engine.name} ended its stream early")
+            return assembler.result()
+
+
+async def _relay(
+    router: Router, exchange: Exchange, ticket: Any, deadline: float
+) -> AsyncIterator[bytes]:
+    """The streaming body: held events, then each event as it arrives.
+
+    No cancel scope is held across a ``yield``: the deadline is re-entered around each read.
+    """
+    relay = _StreamRelay(exchange)
+    try:
+        for event in exchange.take_held():
+            for frame in relay.frames(event):
+                yield frame
+        while True:
+            upstream = None
+            with trio.move_on_at(deadline):
+                upstream = await exchange.stream.next_event()
+            if upstream is None:
+                raise Expired(
+                    "The request deadline passed while the response was streaming.",
+                    code="request_deadline_expired",
+                )
+            if isinstance(upstream, ErrorFrameEvent):
+                raise EngineError(f"engine {exchange.engine.name} failed: {upstream.message()}")
+            if isinstance(upstream, DoneEvent):
+                if not upstream.clean and not exchange.finished:
+                    raise EngineError(f"engine {exchange.engine.name} ended its stream early")
+                for frame in relay.finish():
+                    yield frame
+                yield encode_done()
+                break
+            exchange.observe(upstream)
+            for frame in relay.frames(upstream):
+                yield frame
+        exchange.record_outcome(ok=True)
+        ticket.finish("completed")
+        _record_measurements(router, exchange)
+    except NarwhalError as exc:
+        if isinstance(exc, UpstreamFailure | EngineResponseError):
+            exchange.record_outcome(ok=False)
+        log.info("stream ended in-band: %s", exc.message)
+        if exc.counted_as is not None and ticket.finished is None:
+            ticket.finish(exc.counted_as, exc.code)
+        for frame in relay.finish():
+            yield frame
+        yield encode_data(orjson.dumps(exc.envelope()))
+        yield encode_done()
+    except Exception:
+        log.exception("relay failed")
+        if ticket.finished is None:
+            ticket.finish("failed", "internal_error")
+        failure = UpstreamFailure("The router failed while relaying the stream.", code="internal_error")
+        yield encode_data(orjson.dumps(failure.envelope()))
+        yield encode_done()
+    finally:
+        if ticket.finished is None:
+            ticket.finish("cancelled")
+        await exchange.aclose()
+
+
+class _StreamRelay:
+    """Turns upstream chunks into client frames, in the engine's shape.
+
+    A chunk is forwarded byte for byte unless a repair touched it. When the router forced the
+    usage chunk, it is dropped, and its ``system_fingerprint`` moves to the finish chunk, which
+    is held back one event for that: that is where vLLM puts it without ``include_usage``.
+    """
+
+    __slots__ = ("_held_finish", "exchange")
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self._held_finish: dict[str, Any] | None = None
+
+    def frames(self, event: ChunkEvent) -> list[bytes]:
+        exposure = self.exchange.exposure
+        chunk = event.chunk
+        facts = event.facts
+        out: list[bytes] = []
+        if facts.usage_only and exposure.drop_usage_chunk:
+            if self._held_finish is not None:
+                fingerprint = chunk.get("system_fingerprint")
+                if fingerprint is not None and "system_fingerprint" not in self._held_finish:
+                    self._held_finish["system_fingerprint"] = fingerprint
+            return self.finish()
+        out.extend(self.finish())
+        changed = expose(chunk, self.exchange.request.route, exposure)
+        if facts.finish and exposure.drop_usage_chunk:
+            self._held_finish = chunk
+            return out
+        out.append(encode_data(orjson.dumps(chunk)) if changed else encode_data(event.raw))
+        return out
+
+    def finish(self) -> list[bytes]:
+        """Flush the held finish chunk, if any."""
+        if self._held_finish is None:
+            return []
+        chunk, self._held_finish = self._held_finish, None
+        return [encode_data(orjson.dumps(chunk))]
+
+
+def _record_measurements(router: Router, exchange: Exchange) -> None:
+    measured = exchange.measurements
+    ttft = measured.ttft
+    if ttft is not None:
+        router.metrics.ttft.observe(ttft)
+    for gap in measured.gaps:
+        router.metrics.inter_token_gap.observe(gap)

@@ -1,0 +1,91 @@
+"""Prometheus exposition of the router's snapshots (``prometheus-client``).
+
+Counters and gauges are not updated on the hot path: a collector reads the same
+``statistics()`` snapshots ``/ready`` shows at scrape time, so ``/metrics`` and ``/ready`` can
+never disagree. Only the latency histograms are observed per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from narwhal.admission.accounting import TERMINAL_CLASSES
+
+if TYPE_CHECKING:
+    from narwhal.router import Router
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
+_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+
+
+class _RouterCollector(Collector):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._router.statistics()
+        books = stats.accounting
+        offered = CounterMetricFamily("narwhal_offered", "Requests offered to a completion route")
+        offered.add_metric([], books.offered)
+        yield offered
+        unsized = CounterMetricFamily(
+            "narwhal_unsized_offered", "Offered requests that ended before they were sized"
+        )
+        unsized.add_metric([], books.unsized_offered)
+        yield unsized
+        for terminal in TERMINAL_CLASSES:
+            family = CounterMetricFamily(
+                f"narwhal_{terminal}", f"Requests ended as {terminal}", labels=["reason"]
+            )
+            for (name, reason), count in sorted(books.by_reason.items()):
+                if name == terminal:
+                    family.add_metric([reason], count)
+            yield family
+        in_flight = GaugeMetricFamily("narwhal_in_flight", "Offered requests not yet ended")
+        in_flight.add_metric([], books.in_flight)
+        yield in_flight
+        occupancy = GaugeMetricFamily(
+            "narwhal_engine_occupancy", "Requests per engine and phase", labels=["engine", "phase"]
+        )
+        eligible = GaugeMetricFamily(
+            "narwhal_engine_eligible", "1 when the engine may take new work", labels=["engine"]
+        )
+        for engine in stats.engines:
+            occupancy.add_metric([engine.name, "prefill"], engine.prefill)
+            occupancy.add_metric([engine.name, "decode"], engine.decode)
+            eligible.add_metric([engine.name], int(engine.eligible))
+        yield occupancy
+        yield eligible
+
+
+class Metrics:
+    """The router's registry: snapshot collectors plus the per-request histograms."""
+
+    def __init__(self, router: Router) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_RouterCollector(router))
+        self.ttft = Histogram(
+            "narwhal_ttft_seconds",
+            "Arrival to first output event",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_gap = Histogram(
+            "narwhal_inter_token_gap_seconds",
+            "Time between two output events of one stream",
+            buckets=_GAP_BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        """The text exposition."""
+        return generate_latest(self.registry)
