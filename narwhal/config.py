@@ -202,7 +202,8 @@ def config_from_mapping(data: Mapping[str, Any]) -> Config:
     Raises:
         ConfigError: an unknown key or a bad value, named by its dotted path.
     """
-    return _build(Config, data, "")
+    config: Config = _build(Config, data, "")
+    return config
 
 
 def _build(cls: type[Any], data: Any, path: str) -> Any:

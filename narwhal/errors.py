@@ -17,8 +17,10 @@ Admission counters). The web layer translates them to responses in exactly one p
     ├── RouteNotFound                  404 not_found                  (not offered)
     ├── MethodNotAllowed               405 method_not_allowed         (not offered)
     ├── CapacityRejection              429 http_retention_full / admission_queue_full  rejected
-    ├── PredictiveRefusal              429 ttft_budget_exceeded / prompt_exceeds_ttft_budget  refused
-    ├── Expired                        504 admission_wait_expired / request_deadline_expired  expired
+    ├── PredictiveRefusal              429 ttft_budget_exceeded / prompt_exceeds_ttft_budget
+    │                                                                   refused
+    ├── Expired                        504 admission_wait_expired / request_deadline_expired
+    │                                                                   expired
     ├── Unavailable                    503 backend_unavailable / router_*  unavailable
     └── UpstreamFailure                502                              failed
         ├── EngineError                502 engine_error

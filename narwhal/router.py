@@ -40,9 +40,9 @@ class RouterStatistics:
         """The ``/ready`` body."""
         return {
             "state": self.state,
-            "reason": self.reason if self.reason is not None else (
-                None if self.ready else "no_eligible_engine"
-            ),
+            "reason": self.reason
+            if self.reason is not None
+            else (None if self.ready else "no_eligible_engine"),
             "counters": self.accounting.as_json(),
             "engines": [
                 {
@@ -76,7 +76,9 @@ class Router:
         self.config = config
         transports = transports or {}
         self.pool = EnginePool(
-            Engine(engine, EngineClient(engine, config.upstream, transport=transports.get(engine.name)))
+            Engine(
+                engine, EngineClient(engine, config.upstream, transport=transports.get(engine.name))
+            )
             for engine in config.engines
         )
         self.accounting = Accounting()
@@ -100,7 +102,7 @@ class Router:
 
     async def wait_ready(self, poll_s: float = 0.01) -> None:
         """Return once ``/ready`` would answer 200 (tests and the demo)."""
-        while not self.statistics().ready:
+        while not self.statistics().ready:  # noqa: ASYNC110 - readiness has many sources
             await trio.sleep(poll_s)
 
     def statistics(self) -> RouterStatistics:

@@ -147,7 +147,9 @@ class EngineClient:
             raise EngineError(f"engine {self.engine.name} sent non-JSON on {path}") from exc
 
 
-def normalise_engine_error(engine: str, status: int, content: bytes) -> EngineError | EngineRejectedRequest:
+def normalise_engine_error(
+    engine: str, status: int, content: bytes
+) -> EngineError | EngineRejectedRequest:
     """Turn an engine's error answer (nested, flat or bare) into a Narwhal error.
 
     A 4xx keeps its status and the engine's ``param`` (with FastAPI's ``body.`` prefix

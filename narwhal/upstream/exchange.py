@@ -19,13 +19,13 @@ import trio
 from narwhal.errors import (
     EngineError,
     EngineResponseError,
-    UpstreamFailure,
     Unavailable,
+    UpstreamFailure,
 )
 from narwhal.protocol.chunks import Exposure
 from narwhal.protocol.requests import CompletionRequest
 from narwhal.scheduling.engines import Engine, EnginePool
-from narwhal.upstream.client import ChunkEvent, DoneEvent, ErrorFrameEvent, UpstreamStream
+from narwhal.upstream.client import ChunkEvent, ErrorFrameEvent, UpstreamStream
 from narwhal.upstream.dialects import upstream_body
 
 __all__ = ["Exchange", "Measurements", "open_exchange"]
@@ -124,9 +124,7 @@ class Exchange:
                 if facts.output or facts.finish or facts.usage:
                     return
             elif isinstance(event, ErrorFrameEvent):
-                raise EngineError(
-                    f"engine {self.engine.name} reported an error: {event.message()}"
-                )
+                raise EngineError(f"engine {self.engine.name} reported an error: {event.message()}")
             else:
                 raise EngineError(f"engine {self.engine.name} ended its stream without output")
 
@@ -193,4 +191,3 @@ async def _attempt(engine: Engine, request: CompletionRequest, arrival: float) -
         await exchange.aclose()
         raise
     return exchange
-

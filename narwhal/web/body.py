@@ -22,7 +22,7 @@ DRAIN_BYTES = 4 * 1024 * 1024
 DRAIN_S = 1.0
 
 
-class BoundedBody(TrioBody):  # type: ignore[misc]
+class BoundedBody(TrioBody):
     """Quart's body that keeps counting (and discarding) bytes once over the limit."""
 
     def __init__(self, expected_content_length: int | None, max_content_length: int | None) -> None:
@@ -56,7 +56,7 @@ class BoundedBody(TrioBody):  # type: ignore[misc]
         await self._progress.wait()
 
 
-class NarwhalRequest(TrioRequest):  # type: ignore[misc]
+class NarwhalRequest(TrioRequest):
     """Quart-Trio's request with a :class:`BoundedBody`."""
 
     body_class = BoundedBody

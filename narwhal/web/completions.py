@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import trio
 from quart import Response, request
 
+from narwhal.admission.accounting import TerminalClass, Ticket
 from narwhal.admission.sizing import estimate_prompt_tokens
 from narwhal.errors import (
     EngineError,
@@ -73,62 +74,65 @@ def parse_deadline_headers(headers: Any, default_s: float) -> float:
 
 
 async def handle_completion(router: Router, route: Route) -> Response:
-    """Serve one completion request (both routes)."""
+    """Serve one completion request (both routes); count it exactly once."""
     arrival = trio.current_time()
     ticket = router.accounting.offer()
-    config = router.config
-    exchange: Exchange | None = None
     try:
-        deadline = arrival + parse_deadline_headers(
-            request.headers, config.serving.request_deadline_s
-        )
-        with trio.move_on_at(deadline) as scope:
-            raw = await read_body(request, config.serving.max_request_bytes)
-            parsed = parse_request(raw, route, config.serving.model)
-            if parsed.wants_token_ids and not router.pool.any_provides_token_ids():
-                raise UnsupportedOption(
-                    "`return_token_ids` was requested but no engine behind this router provides "
-                    "token IDs.",
-                    param="return_token_ids",
-                )
-            ticket.sized = True
-            exchange = await open_exchange(router.pool, parsed, arrival)
-            if not parsed.stream:
-                body = await _assemble(router, exchange, parsed)
-        if scope.cancelled_caught:
-            raise Expired(
-                "The request deadline passed before the response could start.",
-                code="request_deadline_expired",
-            )
+        return await _serve(router, route, ticket, arrival)
     except NarwhalError as exc:
-        if exchange is not None:
-            await exchange.aclose()
-        if exc.counted_as is not None:
-            ticket.finish(exc.counted_as, exc.code)  # type: ignore[arg-type]
+        if ticket.finished is None:
+            ticket.finish(cast(TerminalClass, exc.counted_as), exc.code)
         return error_response(exc)
     except BaseException:
-        if exchange is not None:
-            await exchange.aclose()
         if ticket.finished is None:
             ticket.finish("cancelled")
         raise
-    if not parsed.stream:
-        await exchange.aclose()
+
+
+async def _serve(router: Router, route: Route, ticket: Ticket, arrival: float) -> Response:
+    config = router.config
+    deadline = arrival + parse_deadline_headers(request.headers, config.serving.request_deadline_s)
+    with trio.move_on_at(deadline):
+        raw = await read_body(request, config.serving.max_request_bytes)
+        parsed = parse_request(raw, route, config.serving.model)
+        if parsed.wants_token_ids and not router.pool.any_provides_token_ids():
+            raise UnsupportedOption(
+                "`return_token_ids` was requested but no engine behind this router provides "
+                "token IDs.",
+                param="return_token_ids",
+            )
+        ticket.sized = True
+        exchange = await open_exchange(router.pool, parsed, arrival)
+        if parsed.stream:
+            # From here the body generator owns the exchange, and closes it.
+            response = Response(
+                _relay(router, exchange, ticket, deadline),
+                status=200,
+                content_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+            response.timeout = None
+            return response
+        try:
+            body = await _assemble(exchange, parsed)
+        except UpstreamFailure:
+            exchange.record_outcome(ok=False)
+            raise
+        finally:
+            await exchange.aclose()
         exchange.record_outcome(ok=True)
         _record_measurements(router, exchange)
         ticket.finish("completed")
         return json_response(body)
-    response = Response(
-        _relay(router, exchange, ticket, deadline),
-        status=200,
-        content_type="text/event-stream",
-        headers=SSE_HEADERS,
+    raise Expired(
+        "The request deadline passed before the response could start.",
+        code="request_deadline_expired",
     )
-    response.timeout = None
-    return response
 
 
-async def _assemble(router: Router, exchange: Exchange, parsed: CompletionRequest) -> dict[str, Any]:
+async def _assemble(
+    router: Router, exchange: Exchange, parsed: CompletionRequest
+) -> dict[str, Any]:
     """Consume the whole upstream stream into one response body."""
     assembler = Assembler(
         parsed.route,
@@ -151,7 +155,7 @@ async def _assemble(router: Router, exchange: Exchange, parsed: CompletionReques
 
 
 async def _relay(
-    router: Router, exchange: Exchange, ticket: Any, deadline: float
+    router: Router, exchange: Exchange, ticket: Ticket, deadline: float
 ) -> AsyncIterator[bytes]:
     """The streaming body: held events, then each event as it arrives.
 
@@ -190,8 +194,8 @@ async def _relay(
         if isinstance(exc, UpstreamFailure | EngineResponseError):
             exchange.record_outcome(ok=False)
         log.info("stream ended in-band: %s", exc.message)
-        if exc.counted_as is not None and ticket.finished is None:
-            ticket.finish(exc.counted_as, exc.code)
+        if ticket.finished is None:
+            ticket.finish(cast(TerminalClass, exc.counted_as), exc.code)
         for frame in relay.finish():
             yield frame
         yield encode_data(orjson.dumps(exc.envelope()))
@@ -200,7 +204,9 @@ async def _relay(
         log.exception("relay failed")
         if ticket.finished is None:
             ticket.finish("failed", "internal_error")
-        failure = UpstreamFailure("The router failed while relaying the stream.", code="internal_error")
+        failure = UpstreamFailure(
+            "The router failed while relaying the stream.", code="internal_error"
+        )
         yield encode_data(orjson.dumps(failure.envelope()))
         yield encode_done()
     finally:
