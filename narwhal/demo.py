@@ -1,0 +1,103 @@
+"""``narwhal demo``: the router and two simulated engines in one process.
+
+The engines run in-process (the simulator as httpx transports), so the demo needs no other
+command and no free ports besides the router's own. The URL and ready-to-paste examples are
+printed only once ``/ready`` would answer 200, so a newcomer's first request succeeds.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import httpx
+import trio
+
+from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig
+from narwhal.server import serve, wait_for_signal
+from narwhal.sim import SimEngine, SimTransport, profile
+
+__all__ = ["demo_config", "demo_transports", "run_demo"]
+
+MODEL = "llama-3.1-8b-instruct"
+
+
+def demo_config(bind: str = "127.0.0.1:8000") -> Config:
+    """The embedded defaults: two vLLM-dialect engines behind one router."""
+    return Config(
+        serving=ServingConfig(model=MODEL, bind=bind),
+        admission=AdmissionConfig(),
+        engines=(
+            EngineConfig(name="sim-a", url="http://sim-a.invalid", dialect="vllm", wave="a"),
+            EngineConfig(name="sim-b", url="http://sim-b.invalid", dialect="vllm", wave="b"),
+        ),
+    )
+
+
+def demo_transports(config: Config, *, time_scale: float = 1.0) -> dict[str, httpx.AsyncBaseTransport]:
+    """One in-process simulated engine per configured engine."""
+    return {
+        engine.name: SimTransport(
+            SimEngine(
+                config.serving.model,
+                dialect=engine.dialect,
+                timing=profile(engine.profile, time_scale=time_scale, jitter=0.1, seed=seed),
+                seed=seed,
+                name=engine.name,
+            )
+        )
+        for seed, engine in enumerate(config.engines)
+    }
+
+
+def examples(url: str, model: str) -> str:
+    """The text printed once the demo is ready."""
+    return f"""
+Narwhal is ready at {url}  (two simulated engines; Ctrl-C to stop)
+
+  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "stream": true,
+         "messages": [{{"role": "user", "content": "Hello, Narwhal!"}}]}}'
+
+  python -c '
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="unused")
+reply = client.chat.completions.create(
+    model="{model}", messages=[{{"role": "user", "content": "Hello, Narwhal!"}}])
+print(reply.choices[0].message.content)'
+
+  Status: curl {url}/ready    Metrics: curl {url}/metrics
+"""
+
+
+def run_demo(*, bind: str = "127.0.0.1:8000", time_scale: float = 1.0) -> int:
+    """Serve the demo until Ctrl-C; returns the exit status."""
+    config = demo_config(bind)
+    transports = demo_transports(config, time_scale=time_scale)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                partial(serve, config, transports=transports, shutdown_trigger=wait_for_signal)
+            )
+            url = urls[0]
+            async with httpx.AsyncClient() as client:
+                with trio.fail_after(30):
+                    while True:
+                        try:
+                            answer = await client.get(f"{url}/ready")
+                        except httpx.HTTPError:
+                            answer = None
+                        if answer is not None and answer.status_code == 200:
+                            break
+                        await trio.sleep(0.05)
+            print(examples(url, config.serving.model), flush=True)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"narwhal demo: cannot serve on {bind}: {exc}", file=sys.stderr)
+        return 1
+    return 0
