@@ -207,6 +207,10 @@ class UpstreamStream:
         """Close the connection (the engine sees the client go away and aborts)."""
         await self._response.aclose()
 
+    def has_pending(self) -> bool:
+        """Whether the next event is already decoded (no read needed)."""
+        return self._position < len(self._pending)
+
     async def next_event(self) -> UpstreamEvent:
         """The next event of the stream.
 

@@ -27,7 +27,6 @@ from narwhal.admission.accounting import TerminalClass, Ticket
 from narwhal.admission.sizing import estimate_prompt_tokens
 from narwhal.errors import (
     EngineError,
-    EngineResponseError,
     Expired,
     InvalidRequest,
     NarwhalError,
@@ -162,14 +161,18 @@ async def _relay(
     No cancel scope is held across a ``yield``: the deadline is re-entered around each read.
     """
     relay = _StreamRelay(exchange)
+    stream = exchange.stream
+    out: list[bytes] = []  # frames decoded from one read go out in one write
     try:
         for event in exchange.take_held():
-            for frame in relay.frames(event):
-                yield frame
+            out.extend(relay.frames(event))
         while True:
+            if out and not stream.has_pending():
+                yield b"".join(out)
+                out.clear()
             upstream = None
             with trio.move_on_at(deadline):
-                upstream = await exchange.stream.next_event()
+                upstream = await stream.next_event()
             if upstream is None:
                 raise Expired(
                     "The request deadline passed while the response was streaming.",
@@ -180,26 +183,25 @@ async def _relay(
             if isinstance(upstream, DoneEvent):
                 if not upstream.clean and not exchange.finished:
                     raise EngineError(f"engine {exchange.engine.name} ended its stream early")
-                for frame in relay.finish():
-                    yield frame
-                yield encode_done()
+                out.extend(relay.finish())
+                out.append(encode_done())
+                yield b"".join(out)
                 break
             exchange.observe(upstream)
-            for frame in relay.frames(upstream):
-                yield frame
+            out.extend(relay.frames(upstream))
         exchange.record_outcome(ok=True)
         ticket.finish("completed")
         _record_measurements(router, exchange)
     except NarwhalError as exc:
-        if isinstance(exc, UpstreamFailure | EngineResponseError):
+        if isinstance(exc, UpstreamFailure):
             exchange.record_outcome(ok=False)
         log.info("stream ended in-band: %s", exc.message)
         if ticket.finished is None:
             ticket.finish(cast(TerminalClass, exc.counted_as), exc.code)
-        for frame in relay.finish():
-            yield frame
-        yield encode_data(orjson.dumps(exc.envelope()))
-        yield encode_done()
+        out.extend(relay.finish())
+        out.append(encode_data(orjson.dumps(exc.envelope())))
+        out.append(encode_done())
+        yield b"".join(out)
     except Exception:
         log.exception("relay failed")
         if ticket.finished is None:
