@@ -129,9 +129,7 @@ async def _serve(router: Router, route: Route, ticket: Ticket, arrival: float) -
     )
 
 
-async def _assemble(
-    router: Router, exchange: Exchange, parsed: CompletionRequest
-) -> dict[str, Any]:
+async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, Any]:
     """Consume the whole upstream stream into one response body."""
     assembler = Assembler(
         parsed.route,
