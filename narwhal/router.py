@@ -7,6 +7,7 @@ embedders can build one from a :class:`~narwhal.config.Config` and a set of tran
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import attrs
@@ -90,9 +91,11 @@ class Router:
         """Start the engines' joins in ``nursery`` (returns at once)."""
         for engine in self.pool:
             nursery.start_soon(
-                engine.join,
-                self.config.serving.model,
-                self.config.monitoring.poll_interval_s,
+                partial(
+                    engine.join,
+                    self.config.serving.model,
+                    retry_interval_s=self.config.monitoring.poll_interval_s,
+                )
             )
 
     async def aclose(self) -> None:

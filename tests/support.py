@@ -97,7 +97,11 @@ class ASGIStreamTransport(httpx.AsyncBaseTransport):
 
         await to_app_send.aclose()
         self.nursery.start_soon(run_app)
-        await headers_ready.wait()
+        try:
+            await headers_ready.wait()
+        except BaseException:
+            disconnected.set()  # the client gave up before the headers: it went away
+            raise
         if not started:
             raise httpx.RemoteProtocolError("the app ended without a response")
         stream = _Body(chunks_receive, done)
@@ -125,3 +129,29 @@ def sse_payloads(text: str) -> list[str]:
         for block in text.split("\n\n")
         if block.startswith("data: ")
     ]
+
+
+async def run_lifespan(app: Any, *, task_status: trio.TaskStatus[None]) -> None:
+    """Run the app's ASGI lifespan: startup, then (even when cancelled) a clean shutdown."""
+    to_app, from_test = trio.open_memory_channel[dict[str, Any]](4)
+    to_test, from_app = trio.open_memory_channel[dict[str, Any]](4)
+
+    async def expect(kind: str) -> None:
+        message = await from_app.receive()
+        if message["type"] != kind:
+            raise RuntimeError(f"lifespan: expected {kind}, got {message}")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            app, {"type": "lifespan", "asgi": {"version": "3.0"}}, from_test.receive, to_test.send
+        )
+        await to_app.send({"type": "lifespan.startup"})
+        await expect("lifespan.startup.complete")
+        task_status.started()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await to_app.send({"type": "lifespan.shutdown"})
+                await expect("lifespan.shutdown.complete")
+            nursery.cancel_scope.cancel()

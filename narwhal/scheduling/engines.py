@@ -112,9 +112,7 @@ class Engine:
         await self.client.get_json("/health")
         listing = await self.client.get_json("/v1/models")
         served = {
-            entry.get("id")
-            for entry in (listing or {}).get("data", [])
-            if isinstance(entry, dict)
+            entry.get("id") for entry in (listing or {}).get("data", []) if isinstance(entry, dict)
         }
         if model not in served:
             raise _ProbeFailed(f"/v1/models does not list {model!r}")
@@ -134,9 +132,7 @@ class Engine:
             }
         )
         saw_output = False
-        async with await self.client.open_stream(
-            "completions", body, ids_required=False
-        ) as stream:
+        async with await self.client.open_stream("completions", body, ids_required=False) as stream:
             while True:
                 event = await stream.next_event()
                 if isinstance(event, DoneEvent):
@@ -172,11 +168,14 @@ class EnginePool:
     def any_provides_token_ids(self) -> bool:
         """Whether a configured engine is (or is expected to be) able to return token IDs."""
         return any(
-            engine.provides_token_ids or (engine.state == "joining" and engine.config.wants_token_ids)
+            engine.provides_token_ids
+            or (engine.state == "joining" and engine.config.wants_token_ids)
             for engine in self.engines
         )
 
-    def choose(self, *, exclude: Iterable[Engine] = (), need_token_ids: bool = False) -> Engine | None:
+    def choose(
+        self, *, exclude: Iterable[Engine] = (), need_token_ids: bool = False
+    ) -> Engine | None:
         """The least-occupied eligible engine, round-robin among equals; ``None`` if none."""
         excluded = set(exclude)
         best: Engine | None = None

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import attrs
 import httpx
 import orjson
+import trio
 
 from narwhal.config import EngineConfig, UpstreamConfig
 from narwhal.errors import EngineError, EngineRejectedRequest, EngineResponseError
@@ -28,6 +29,8 @@ __all__ = [
     "UpstreamStream",
     "normalise_engine_error",
 ]
+
+DRAIN_AFTER_DONE_S = 1.0
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -225,7 +228,10 @@ class UpstreamStream:
             self._position = 0
         sse = self._pending[self._position]
         self._position += 1
-        return self._decode(sse.data)
+        event = self._decode(sse.data)
+        if isinstance(event, DoneEvent) and not self._ended:
+            await self._drain()
+        return event
 
     async def _read_events(self) -> list[Any]:
         try:
@@ -237,6 +243,15 @@ class UpstreamStream:
         except httpx.HTTPError as exc:
             raise EngineError(f"engine {self.engine} broke the stream: {exc!r}") from exc
         return self._decoder.feed(data)
+
+    async def _drain(self) -> None:
+        # Read to the end of the body after [DONE]: a body read to its end lets httpx return
+        # the connection to the pool instead of closing it. The terminating chunk follows
+        # [DONE] at once; an engine that keeps the body open is not waited for long.
+        with trio.move_on_after(DRAIN_AFTER_DONE_S):
+            while not self._ended:
+                self._pending = await self._read_events()
+                self._position = len(self._pending)
 
     def _decode(self, data: bytes) -> UpstreamEvent:
         if data == DONE:

@@ -1,0 +1,351 @@
+"""What the simulated model generates and when (pure).
+
+An :class:`Answer` is dialect-neutral: a list of output tokens (each with an ID, a text piece, a
+kind and the time it is produced, measured from the request's arrival), grouped into the chunks
+the engine will send, plus the finish. :mod:`narwhal.sim._shapes` dresses it in a dialect.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Literal
+
+import attrs
+
+from narwhal.sim import _text
+from narwhal.sim._request import Dialect, SimRequest
+from narwhal.sim.timing import TimingModel
+
+__all__ = ["Answer", "Group", "Kind", "Token", "ToolCall", "generate"]
+
+Kind = Literal["reasoning", "content", "refusal", "tool", "tool_end"]
+
+_TOOL_END_PIECE = "</tool_call>"
+_TOOL_END_ID = 151658
+_CITIES = ("Paris", "Lyon", "Oslo", "Lima", "Kyoto", "Accra", "Quito", "Perth")
+_DEFAULT_TOOL = "get_weather"
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+@attrs.frozen
+class Token:
+    """One output token.
+
+    Attributes:
+        position: its index in the output (0 is the first output token).
+        id: its token ID (>= 0).
+        text: its text piece.
+        kind: what it carries; ``tool_end`` closes the tool calls and shows no text.
+        at_s: when it is produced, in seconds from the request's arrival.
+        call: the tool call it belongs to (kind ``tool``), else -1.
+        opens_call: it is the first token of its tool call.
+    """
+
+    position: int
+    id: int
+    text: str
+    kind: Kind
+    at_s: float
+    call: int = -1
+    opens_call: bool = False
+
+
+@attrs.frozen
+class ToolCall:
+    """A tool call's identity."""
+
+    index: int
+    id: str
+    name: str
+
+
+@attrs.frozen
+class Group:
+    """Consecutive tokens of one kind (and one tool call) that travel in one chunk."""
+
+    tokens: tuple[Token, ...]
+
+    @property
+    def kind(self) -> Kind:
+        """The kind of every token in the group."""
+        return self.tokens[0].kind
+
+    @property
+    def at_s(self) -> float:
+        """When the chunk can go: when its last token is produced."""
+        return self.tokens[-1].at_s
+
+    @property
+    def first(self) -> int:
+        """Position of the group's first token."""
+        return self.tokens[0].position
+
+    @property
+    def last(self) -> int:
+        """Position of the group's last token."""
+        return self.tokens[-1].position
+
+    @property
+    def text(self) -> str:
+        """The group's text."""
+        return "".join(token.text for token in self.tokens)
+
+    @property
+    def ids(self) -> list[int]:
+        """The group's token IDs."""
+        return [token.id for token in self.tokens]
+
+    @property
+    def call(self) -> int:
+        """The tool call of the group (kind ``tool``), else -1."""
+        return self.tokens[0].call
+
+    @property
+    def opens_call(self) -> bool:
+        """The group starts its tool call."""
+        return self.tokens[0].opens_call
+
+
+@attrs.frozen
+class Answer:
+    """A generated answer, before any dialect shapes it.
+
+    Attributes:
+        request: what was asked.
+        response_id: the response's ``id``.
+        created: the response's ``created``.
+        model: the model name answered with.
+        fingerprint: the ``system_fingerprint``.
+        prompt_tokens: the prompt's size.
+        tokens: the output tokens in order.
+        groups: the tokens grouped into chunks.
+        calls: the tool calls that got at least one token.
+        finish_reason: ``stop``, ``length`` or ``tool_calls``.
+        stop_reason: vLLM's ``stop_reason`` (the stop string), else None.
+        first_token_s: when the first output token is produced (TTFT), or the finish when none.
+        end_s: when the last token is produced (the finish).
+    """
+
+    request: SimRequest
+    response_id: str
+    created: int
+    model: str
+    fingerprint: str
+    prompt_tokens: int
+    tokens: tuple[Token, ...]
+    groups: tuple[Group, ...]
+    calls: tuple[ToolCall, ...]
+    finish_reason: str
+    stop_reason: str | None
+    first_token_s: float
+    end_s: float
+
+    @property
+    def output_tokens(self) -> int:
+        """Completion tokens, reasoning and the tool-call end included."""
+        return len(self.tokens)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """How many output tokens are reasoning."""
+        return sum(1 for token in self.tokens if token.kind == "reasoning")
+
+    def text_of(self, kind: Kind) -> str:
+        """The concatenated text of every token of ``kind``."""
+        return "".join(token.text for token in self.tokens if token.kind == kind)
+
+    @property
+    def ids(self) -> list[int]:
+        """Every output token ID."""
+        return [token.id for token in self.tokens]
+
+    def call_arguments(self, index: int) -> str:
+        """The arguments string of tool call ``index`` (as far as it was generated)."""
+        return "".join(t.text for t in self.tokens if t.kind == "tool" and t.call == index)
+
+
+def _words(rng: random.Random, count: int, *, strip_first: bool = True) -> list[str]:
+    """``count`` pieces of text: a word first (its space stripped), no doubled punctuation."""
+    pieces: list[str] = []
+    while len(pieces) < count:
+        piece = rng.choice(_text.WORDS)
+        punctuation = piece in (",", ".")
+        if punctuation and (not pieces or pieces[-1] in (",", ".")):
+            continue
+        pieces.append(piece.lstrip() if strip_first and not pieces else piece)
+    return pieces
+
+
+def _hex(rng: random.Random, digits: int) -> str:
+    return f"{rng.getrandbits(4 * digits):0{digits}x}"
+
+
+def _tool_id(rng: random.Random, dialect: Dialect) -> str:
+    if dialect == "vllm":
+        return f"chatcmpl-tool-{_hex(rng, 16)}"
+    if dialect == "sglang":
+        return f"call_{_hex(rng, 24)}"
+    return "call_" + "".join(rng.choice(_ALNUM) for _ in range(24))
+
+
+def _response_id(rng: random.Random, dialect: Dialect, request: SimRequest) -> str:
+    prefix = "chatcmpl-" if request.route == "chat" else "cmpl-"
+    if dialect == "sglang":
+        return _hex(rng, 32)
+    if dialect == "openai":
+        return prefix + "".join(rng.choice(_ALNUM) for _ in range(29))
+    return prefix + _hex(rng, 32)
+
+
+def _fingerprint(dialect: Dialect, model: str) -> str:
+    digest = _text.token_id(model) * 2654435761 % (1 << 40)
+    if dialect == "openai":
+        return f"fp_{digest:010x}"
+    return f"vllm-0.33.0-{digest & 0xFFFFFFFF:08x}"
+
+
+_Piece = tuple[str, Kind, int, bool]  # text, kind, tool call, opens the call
+
+
+def _body_pieces(
+    rng: random.Random, request: SimRequest, dialect: Dialect, reasoning: int
+) -> tuple[list[_Piece], list[ToolCall], int]:
+    """The pieces after the reasoning, the tool calls, and the natural length of the answer."""
+    directives = request.directives
+    chat = request.route == "chat"
+    if chat and directives.tool_calls:
+        calls: list[ToolCall] = []
+        pieces: list[_Piece] = []
+        names = request.tool_names or (_DEFAULT_TOOL,)
+        for index in range(directives.tool_calls):
+            calls.append(ToolCall(index, _tool_id(rng, dialect), names[index % len(names)]))
+            city, days = rng.choice(_CITIES), rng.randint(1, 7)
+            fragments = ('{"city": "', city, '", "days": ', f"{days}}}")
+            for number, fragment in enumerate(fragments):
+                pieces.append((fragment, "tool", index, number == 0))
+        pieces.append((_TOOL_END_PIECE, "tool_end", -1, False))
+        return pieces, calls, reasoning + len(pieces)
+    if chat and directives.refusal is not None:
+        refusal = re.findall(r"\s*\S+", directives.refusal) or [directives.refusal]
+        pieces = [(piece, "refusal", -1, False) for piece in refusal]
+        return pieces, [], reasoning + len(pieces)
+    if directives.output_tokens is not None:
+        natural = directives.output_tokens
+    else:
+        natural = reasoning + rng.randint(8, 48)
+    # A completion continues the prompt, so its first word keeps its space (" Paris").
+    words = _words(rng, max(0, natural - reasoning), strip_first=chat)
+    return [(word, "content", -1, False) for word in words], [], natural
+
+
+def _times(
+    request: SimRequest, timing: TimingModel, prompt_tokens: int, count: int
+) -> tuple[float, list[float]]:
+    directives = request.directives
+    if directives.ttft_s is not None:
+        first = directives.ttft_s * timing.time_scale
+    else:
+        first = timing.first_token_delay_s(prompt_tokens)
+    times: list[float] = []
+    now = first
+    for position in range(count):
+        if position:
+            if directives.itl_s is not None:
+                now += directives.itl_s * timing.time_scale
+            else:
+                now += timing.inter_token_delay_s(position)
+        times.append(now)
+    return first, times
+
+
+def _group(tokens: list[Token], size: int, first_alone: bool) -> list[Group]:
+    groups: list[Group] = []
+    current: list[Token] = []
+    for token in tokens:
+        limit = 1 if first_alone and not groups else size
+        if current and (
+            len(current) >= limit
+            or token.kind != current[0].kind
+            or token.call != current[0].call
+            or token.opens_call
+            or token.kind == "tool_end"
+        ):
+            groups.append(Group(tuple(current)))
+            current = []
+        current.append(token)
+    if current:
+        groups.append(Group(tuple(current)))
+    return groups
+
+
+def generate(
+    request: SimRequest,
+    *,
+    dialect: Dialect,
+    model: str,
+    timing: TimingModel,
+    rng: random.Random,
+    created: int,
+) -> Answer:
+    """Generate the answer to ``request``: deterministic given ``rng``'s seed.
+
+    Length: ``output_tokens`` if given (reasoning included), else the reasoning plus a seeded
+    8..48 tokens; tool calls and refusals take the tokens they need. ``max_tokens`` cuts the
+    answer (finish ``length``).
+    """
+    directives = request.directives
+    response_id = _response_id(rng, dialect, request)
+    prompt_tokens = request.prompt_tokens
+    wanted_reasoning = directives.reasoning_tokens if request.route == "chat" else 0
+    if directives.output_tokens is not None and not (directives.tool_calls or directives.refusal):
+        wanted_reasoning = min(wanted_reasoning, directives.output_tokens)
+    reasoning_pieces: list[_Piece] = [
+        (word, "reasoning", -1, False) for word in _words(rng, wanted_reasoning)
+    ]
+    body, calls, natural = _body_pieces(rng, request, dialect, wanted_reasoning)
+    pieces = reasoning_pieces + body
+    total = natural if request.max_tokens is None else min(natural, request.max_tokens)
+    pieces = pieces[:total]
+
+    first, times = _times(request, timing, prompt_tokens, total)
+    tokens = [
+        Token(
+            position=position,
+            id=_TOOL_END_ID if kind == "tool_end" else _text.token_id(text),
+            text=text,
+            kind=kind,
+            at_s=times[position],
+            call=call,
+            opens_call=opens,
+        )
+        for position, (text, kind, call, opens) in enumerate(pieces)
+    ]
+    emitted_calls = {token.call for token in tokens if token.kind == "tool"}
+
+    if natural > total:
+        finish, stop_reason = "length", None
+    elif emitted_calls:
+        finish, stop_reason = "tool_calls", None
+    else:
+        finish, stop_reason = "stop", request.stop
+
+    if directives.tokens_per_chunk is not None:
+        size, first_alone = directives.tokens_per_chunk, False
+    else:
+        size, first_alone = request.stream_interval, request.stream_interval > 1
+    return Answer(
+        request=request,
+        response_id=response_id,
+        created=created,
+        model=model,
+        fingerprint=_fingerprint(dialect, model),
+        prompt_tokens=prompt_tokens,
+        tokens=tuple(tokens),
+        groups=tuple(_group(tokens, size, first_alone)),
+        calls=tuple(call for call in calls if call.index in emitted_calls),
+        finish_reason=finish,
+        stop_reason=stop_reason,
+        first_token_s=times[0] if times else first,
+        end_s=times[-1] if times else first,
+    )

@@ -1,0 +1,791 @@
+"""Each dialect's exact response shapes (pure).
+
+The key sets and orders follow ``reference/vllm-0.33-captures/`` (vLLM 0.33 and SGLang 0.5.23)
+and OpenAI's published chunk and response objects. Stream chunks come back as :class:`Chunk`
+values (a JSON object and the time it may be sent) so that faults can be applied before
+serialisation.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import orjson
+
+from narwhal.sim import _text
+from narwhal.sim._answer import Answer, Group, Token
+from narwhal.sim._request import Dialect, SimFailure
+
+__all__ = [
+    "Chunk",
+    "error_body",
+    "error_frame",
+    "response_body",
+    "route_not_found",
+    "stream_chunks",
+]
+
+
+@attrs.define
+class Chunk:
+    """One stream event before serialisation.
+
+    Attributes:
+        at_s: when it may be sent, in seconds from the request's arrival.
+        obj: the JSON object.
+        ids: the output token IDs it carries.
+        last_position: the highest output position it carries (or announces), -1 for none.
+        finish: it carries the finish_reason.
+    """
+
+    at_s: float
+    obj: dict[str, Any]
+    ids: list[int] = attrs.field(factory=list)
+    last_position: int = -1
+    finish: bool = False
+
+
+# --- shared pieces ----------------------------------------------------------------------------
+
+
+def _top_entry(piece: str, value: float) -> dict[str, Any]:
+    return {"token": piece, "logprob": value, "bytes": list(piece.encode())}
+
+
+def _chat_logprob_entries(tokens: tuple[Token, ...], top: int) -> list[dict[str, Any]]:
+    entries = []
+    for token in tokens:
+        value = _text.logprob(token.position, token.text)
+        runners = _text.alternatives(token.position, token.text, top - 1) if top > 0 else []
+        entry = _top_entry(token.text, value)
+        entry["top_logprobs"] = (
+            [_top_entry(token.text, value)] + [_top_entry(p, v) for p, v in runners]
+            if top > 0
+            else []
+        )
+        entries.append(entry)
+    return entries
+
+
+def _chat_logprobs(
+    dialect: Dialect, tokens: tuple[Token, ...], top: int | None
+) -> dict[str, Any] | None:
+    if top is None:
+        return None
+    result: dict[str, Any] = {"content": _chat_logprob_entries(tokens, top)}
+    if dialect == "openai":
+        result["refusal"] = None
+    return result
+
+
+def _completion_logprobs(
+    dialect: Dialect, tokens: tuple[Token, ...], top: int | None, offset: int
+) -> dict[str, Any] | None:
+    if top is None:
+        return None
+    offsets, values, pieces, tops = [], [], [], []
+    for token in tokens:
+        value = _text.logprob(token.position, token.text)
+        offsets.append(offset)
+        offset += len(token.text)
+        values.append(value)
+        pieces.append(token.text)
+        runners = _text.alternatives(token.position, token.text, max(top, 1) - 1)
+        tops.append({token.text: value, **dict(runners)})
+    if dialect == "openai":
+        return {
+            "tokens": pieces,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+    return {
+        "text_offset": offsets,
+        "token_logprobs": values,
+        "tokens": pieces,
+        "top_logprobs": tops,
+    }
+
+
+def _usage(dialect: Dialect, answer: Answer, completion: int, form: str) -> dict[str, Any]:
+    """Usage objects: ``final`` (the usage chunk), ``running`` (continuous), ``body``."""
+    prompt = answer.prompt_tokens
+    if dialect == "openai":
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": answer.reasoning_tokens,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        }
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    if dialect == "sglang":
+        usage["prompt_tokens_details"] = None
+        usage["reasoning_tokens"] = answer.reasoning_tokens
+        usage["completion_tokens_details"] = None
+    elif form == "running":
+        usage["completion_tokens_details"] = None
+    elif form == "body":
+        usage["prompt_tokens_details"] = None
+        usage["completion_tokens_details"] = None
+    return usage
+
+
+def _matched_stop(answer: Answer) -> str | int | None:
+    if answer.finish_reason != "stop":
+        return None
+    return answer.stop_reason if answer.stop_reason is not None else _text.EOS_TOKEN_ID
+
+
+def _head(answer: Answer, object_name: str) -> dict[str, Any]:
+    return {
+        "id": answer.response_id,
+        "object": object_name,
+        "created": answer.created,
+        "model": answer.model,
+    }
+
+
+def _role_time(answer: Answer, visible: list[Group]) -> float:
+    return visible[0].at_s if visible else answer.end_s
+
+
+# --- vLLM -------------------------------------------------------------------------------------
+
+
+def _vllm_delta(answer: Answer, group: Group) -> dict[str, Any]:
+    if group.kind == "reasoning":
+        return {"reasoning": group.text}
+    if group.kind == "refusal":
+        return {"refusal": group.text}
+    if group.kind == "tool_end":
+        return {}
+    if group.kind == "tool":
+        arguments = {"index": group.call, "function": {"arguments": group.text}}
+        if not group.opens_call:
+            return {"tool_calls": [arguments]}
+        call = answer.calls[group.call]
+        header = {
+            "id": call.id,
+            "type": "function",
+            "index": call.index,
+            "function": {"name": call.name},
+        }
+        return {"content": None, "tool_calls": [header, arguments]}
+    return {"content": group.text}
+
+
+def _vllm_chat(answer: Answer) -> list[Chunk]:
+    request = answer.request
+    head = _head(answer, "chat.completion.chunk")
+    groups = list(answer.groups)
+    role_choice = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    role = {**head, "choices": [role_choice]}
+    if request.continuous_usage:
+        role["usage"] = _usage("vllm", answer, 0, "running")
+    if request.ids_keys:
+        role["prompt_token_ids"] = request.prompt_ids() if request.want_ids else None
+        role["prompt_text"] = None
+    chunks = [Chunk(_role_time(answer, groups), role)]
+    if not groups:  # nothing generated: one finish chunk with no text and no IDs
+        groups_or_none: list[Group | None] = [None]
+    else:
+        groups_or_none = list(groups)
+    sent = 0
+    for group in groups_or_none:
+        last = group is groups_or_none[-1]
+        tokens = group.tokens if group else ()
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": _vllm_delta(answer, group) if group else {"content": ""},
+            "logprobs": _chat_logprobs("vllm", tokens, request.logprobs),
+            "finish_reason": answer.finish_reason if last else None,
+        }
+        if last:
+            choice["stop_reason"] = answer.stop_reason
+        ids = group.ids if group else []
+        if request.ids_keys:
+            choice["token_ids"] = ids if request.want_ids else None
+        if last:
+            choice["weight_versions"] = None
+        obj: dict[str, Any] = {**head, "choices": [choice]}
+        sent += len(tokens)
+        if request.continuous_usage:
+            obj["usage"] = _usage("vllm", answer, sent, "running")
+        if last and not request.include_usage:
+            obj["system_fingerprint"] = answer.fingerprint
+        obj["kv_transfer_params"] = None
+        at = group.at_s if group else answer.end_s
+        position = group.last if group else -1
+        chunks.append(Chunk(at, obj, ids, position, finish=last))
+    return chunks
+
+
+def _vllm_completions(answer: Answer) -> list[Chunk]:
+    request = answer.request
+    head = _head(answer, "text_completion")
+    groups_or_none: list[Group | None] = list(answer.groups) or [None]
+    chunks = []
+    offset = 0
+    sent = 0
+    for number, group in enumerate(groups_or_none):
+        last = number == len(groups_or_none) - 1
+        tokens = group.tokens if group else ()
+        text = group.text if group else ""
+        ids = group.ids if group else []
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": _completion_logprobs("vllm", tokens, request.logprobs, offset),
+            "finish_reason": answer.finish_reason if last else None,
+            "stop_reason": answer.stop_reason if last else None,
+        }
+        if request.ids_keys:
+            wanted = request.want_ids
+            choice["prompt_token_ids"] = request.prompt_ids() if wanted and number == 0 else None
+            choice["token_ids"] = ids if wanted else None
+        choice["weight_versions"] = None
+        offset += len(text)
+        sent += len(tokens)
+        obj: dict[str, Any] = {**head, "choices": [choice]}
+        if request.continuous_usage:
+            obj["usage"] = _usage("vllm", answer, sent, "running")
+        if last and not request.include_usage:
+            obj["system_fingerprint"] = answer.fingerprint
+        obj["kv_transfer_params"] = None
+        at = group.at_s if group else answer.end_s
+        chunks.append(Chunk(at, obj, ids, group.last if group else -1, finish=last))
+    return chunks
+
+
+def _vllm_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
+    return {
+        **_head(answer, object_name),
+        "choices": [],
+        "usage": _usage("vllm", answer, answer.output_tokens, "final"),
+        "system_fingerprint": answer.fingerprint,
+    }
+
+
+# --- SGLang -----------------------------------------------------------------------------------
+
+
+def _sglang_delta(**fields: Any) -> dict[str, Any]:
+    delta: dict[str, Any] = {"role": None, "content": None, "reasoning_content": None}
+    delta.update(fields)
+    return delta
+
+
+def _sglang_chat(answer: Answer) -> list[Chunk]:
+    request = answer.request
+    head = _head(answer, "chat.completion.chunk")
+    visible = [g for g in answer.groups if g.kind != "tool_end"]
+    sent = 0
+
+    def chunk(at: float, delta: dict[str, Any], group: Group | None, **finish: Any) -> Chunk:
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _chat_logprobs("sglang", group.tokens, request.logprobs) if group else None,
+            "finish_reason": finish.get("finish_reason"),
+            "matched_stop": finish.get("matched_stop"),
+        }
+        usage = _usage("sglang", answer, sent, "running") if request.continuous_usage else None
+        obj = {**head, "choices": [choice], "usage": usage}
+        return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
+
+    chunks = [
+        chunk(
+            _role_time(answer, visible),
+            {"role": "assistant", "content": "", "reasoning_content": None},
+            None,
+        )
+    ]
+    for group in visible:
+        sent = group.last + 1
+        if group.kind == "reasoning":
+            delta = _sglang_delta(reasoning_content=group.text)
+        elif group.kind == "refusal":
+            delta = _sglang_delta(refusal=group.text)
+        elif group.kind == "tool":
+            if group.opens_call:
+                call = answer.calls[group.call]
+                header = {
+                    "id": call.id,
+                    "index": call.index,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+                opening = chunk(group.at_s, _sglang_delta(tool_calls=[header]), None)
+                opening.last_position = group.first
+                chunks.append(opening)
+            fragment = {
+                "id": None,
+                "index": group.call,
+                "type": "function",
+                "function": {"name": None, "arguments": group.text},
+            }
+            delta = _sglang_delta(tool_calls=[fragment])
+        else:
+            delta = _sglang_delta(content=group.text)
+        chunks.append(chunk(group.at_s, delta, group))
+    sent = answer.output_tokens
+    end = chunk(
+        answer.end_s,
+        _sglang_delta(),
+        None,
+        finish_reason=answer.finish_reason,
+        matched_stop=_matched_stop(answer),
+    )
+    end.finish = True
+    chunks.append(end)
+    return chunks
+
+
+def _sglang_completions(answer: Answer) -> list[Chunk]:
+    request = answer.request
+    head = _head(answer, "text_completion")
+    groups_or_none: list[Group | None] = list(answer.groups) or [None]
+    chunks = []
+    offset = 0
+    for number, group in enumerate(groups_or_none):
+        last = number == len(groups_or_none) - 1
+        tokens = group.tokens if group else ()
+        text = group.text if group else ""
+        ids = group.ids if group else []
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": _completion_logprobs("sglang", tokens, request.logprobs, offset),
+            "finish_reason": answer.finish_reason if last else None,
+            "matched_stop": _matched_stop(answer) if last else None,
+        }
+        if request.want_ids:
+            choice["token_ids"] = ids
+            if number == 0:
+                choice["prompt_token_ids"] = request.prompt_ids()
+        offset += len(text)
+        completion = group.last + 1 if group else 0
+        usage = (
+            _usage("sglang", answer, completion, "running") if request.continuous_usage else None
+        )
+        obj = {**head, "choices": [choice], "usage": usage}
+        at = group.at_s if group else answer.end_s
+        chunks.append(Chunk(at, obj, ids, group.last if group else -1, finish=last))
+    return chunks
+
+
+def _sglang_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
+    return {
+        **_head(answer, object_name),
+        "choices": [],
+        "usage": _usage("sglang", answer, answer.output_tokens, "final"),
+    }
+
+
+# --- OpenAI -----------------------------------------------------------------------------------
+
+
+def _openai_chat(answer: Answer) -> list[Chunk]:
+    request = answer.request
+    head = {
+        **_head(answer, "chat.completion.chunk"),
+        "service_tier": "default",
+        "system_fingerprint": answer.fingerprint,
+    }
+    # OpenAI never streams reasoning: those tokens take time but show nothing.
+    visible = [g for g in answer.groups if g.kind not in ("reasoning", "tool_end")]
+
+    def chunk(at: float, delta: dict[str, Any], group: Group | None, finish: Any = None) -> Chunk:
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _chat_logprobs("openai", group.tokens, request.logprobs) if group else None,
+            "finish_reason": finish,
+        }
+        obj: dict[str, Any] = {**head, "choices": [choice]}
+        if request.include_usage:
+            obj["usage"] = None
+        return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
+
+    refusing = any(g.kind == "refusal" for g in visible)
+    calling = any(g.kind == "tool" for g in visible)
+    role_delta: dict[str, Any] = {
+        "role": "assistant",
+        "content": None if refusing or calling else "",
+        "refusal": "" if refusing else None,
+    }
+    chunks = [chunk(_role_time(answer, visible), role_delta, None)]
+    for group in visible:
+        if group.kind == "tool":
+            if group.opens_call:
+                call = answer.calls[group.call]
+                header = {
+                    "index": call.index,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+                opening = chunk(group.at_s, {"tool_calls": [header]}, None)
+                opening.last_position = group.first
+                chunks.append(opening)
+            fragment = {"index": group.call, "function": {"arguments": group.text}}
+            delta: dict[str, Any] = {"tool_calls": [fragment]}
+        elif group.kind == "refusal":
+            delta = {"refusal": group.text}
+        else:
+            delta = {"content": group.text}
+        chunks.append(chunk(group.at_s, delta, group))
+    end = chunk(answer.end_s, {}, None, answer.finish_reason)
+    end.finish = True
+    chunks.append(end)
+    return chunks
+
+
+def _openai_completions(answer: Answer) -> list[Chunk]:
+    request = answer.request
+    chunks = []
+    offset = 0
+
+    def chunk(at: float, text: str, group: Group | None, finish: Any = None) -> Chunk:
+        tokens = group.tokens if group else ()
+        choice = {
+            "text": text,
+            "index": 0,
+            "logprobs": _completion_logprobs("openai", tokens, request.logprobs, offset)
+            if group
+            else None,
+            "finish_reason": finish,
+        }
+        obj: dict[str, Any] = {
+            "id": answer.response_id,
+            "object": "text_completion",
+            "created": answer.created,
+            "choices": [choice],
+            "model": answer.model,
+            "system_fingerprint": answer.fingerprint,
+        }
+        if request.include_usage:
+            obj["usage"] = None
+        return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
+
+    for group in answer.groups:
+        chunks.append(chunk(group.at_s, group.text, group))
+        offset += len(group.text)
+    end = chunk(answer.end_s, "", None, answer.finish_reason)
+    end.finish = True
+    chunks.append(end)
+    return chunks
+
+
+def _openai_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
+    usage = _usage("openai", answer, answer.output_tokens, "final")
+    if object_name == "text_completion":
+        obj: dict[str, Any] = {
+            "id": answer.response_id,
+            "object": object_name,
+            "created": answer.created,
+            "choices": [],
+            "model": answer.model,
+            "system_fingerprint": answer.fingerprint,
+            "usage": usage,
+        }
+        return obj
+    return {
+        **_head(answer, object_name),
+        "service_tier": "default",
+        "system_fingerprint": answer.fingerprint,
+        "choices": [],
+        "usage": usage,
+    }
+
+
+# --- streams ----------------------------------------------------------------------------------
+
+_STREAMS = {
+    ("vllm", "chat"): _vllm_chat,
+    ("vllm", "completions"): _vllm_completions,
+    ("sglang", "chat"): _sglang_chat,
+    ("sglang", "completions"): _sglang_completions,
+    ("openai", "chat"): _openai_chat,
+    ("openai", "completions"): _openai_completions,
+}
+_USAGE_CHUNKS = {
+    "vllm": _vllm_usage_chunk,
+    "sglang": _sglang_usage_chunk,
+    "openai": _openai_usage_chunk,
+}
+
+
+def stream_chunks(dialect: Dialect, answer: Answer) -> list[Chunk]:
+    """Every chunk of the streamed answer, the usage-only chunk included when asked."""
+    request = answer.request
+    chunks = _STREAMS[dialect, request.route](answer)
+    if request.include_usage:
+        object_name = "chat.completion.chunk" if request.route == "chat" else "text_completion"
+        chunks.append(Chunk(answer.end_s, _USAGE_CHUNKS[dialect](answer, object_name)))
+    return chunks
+
+
+# --- non-streaming bodies ---------------------------------------------------------------------
+
+
+def _all_tokens(answer: Answer) -> tuple[Token, ...]:
+    return answer.tokens
+
+
+def _message_text(answer: Answer) -> str | None:
+    content = answer.text_of("content")
+    if content:
+        return content
+    if answer.calls or answer.reasoning_tokens or answer.text_of("refusal"):
+        return None
+    return ""
+
+
+def _tool_calls(answer: Answer, with_index: bool) -> list[dict[str, Any]]:
+    calls = []
+    for call in answer.calls:
+        entry: dict[str, Any] = {"id": call.id}
+        if with_index:
+            entry["index"] = call.index
+        entry["type"] = "function"
+        entry["function"] = {"name": call.name, "arguments": answer.call_arguments(call.index)}
+        calls.append(entry)
+    return calls
+
+
+def _vllm_body(answer: Answer) -> dict[str, Any]:
+    request = answer.request
+    tokens = _all_tokens(answer)
+    ids = answer.ids if request.want_ids else None
+    prompt_ids = request.prompt_ids() if request.want_ids else None
+    if request.route == "chat":
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": _message_text(answer),
+            "refusal": answer.text_of("refusal") or None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+        }
+        if answer.calls:
+            message["tool_calls"] = _tool_calls(answer, with_index=False)
+        message["reasoning"] = answer.text_of("reasoning") or None
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": _chat_logprobs("vllm", tokens, request.logprobs),
+            "finish_reason": answer.finish_reason,
+            "stop_reason": answer.stop_reason,
+        }
+        if request.ids_keys:
+            choice["token_ids"] = ids
+        choice["routed_experts"] = None
+        choice["weight_versions"] = None
+        body: dict[str, Any] = {
+            **_head(answer, "chat.completion"),
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": answer.fingerprint,
+            "usage": _usage("vllm", answer, answer.output_tokens, "body"),
+            "prompt_logprobs": None,
+        }
+        if request.ids_keys:
+            body["prompt_token_ids"] = prompt_ids
+            body["prompt_text"] = None
+        body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+        return body
+    choice = {
+        "index": 0,
+        "text": answer.text_of("content"),
+        "logprobs": _completion_logprobs("vllm", tokens, request.logprobs, 0),
+        "finish_reason": answer.finish_reason,
+        "stop_reason": answer.stop_reason,
+    }
+    if request.ids_keys:
+        choice["token_ids"] = ids
+    choice["prompt_logprobs"] = None
+    if request.ids_keys:
+        choice["prompt_token_ids"] = prompt_ids
+    choice["routed_experts"] = None
+    choice["weight_versions"] = None
+    return {
+        **_head(answer, "text_completion"),
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": answer.fingerprint,
+        "usage": _usage("vllm", answer, answer.output_tokens, "body"),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def _sglang_body(answer: Answer) -> dict[str, Any]:
+    request = answer.request
+    tokens = _all_tokens(answer)
+    choice: dict[str, Any] = {"index": 0}
+    if request.route == "chat":
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": _message_text(answer),
+            "reasoning_content": answer.text_of("reasoning") or None,
+        }
+        if answer.text_of("refusal"):
+            message["refusal"] = answer.text_of("refusal")
+        if answer.calls:
+            message["tool_calls"] = _tool_calls(answer, with_index=True)
+        choice["message"] = message
+        choice["logprobs"] = _chat_logprobs("sglang", tokens, request.logprobs)
+    else:
+        choice["text"] = answer.text_of("content")
+        choice["logprobs"] = _completion_logprobs("sglang", tokens, request.logprobs, 0)
+    choice["finish_reason"] = answer.finish_reason
+    choice["matched_stop"] = _matched_stop(answer)
+    if request.want_ids:
+        choice["prompt_token_ids"] = request.prompt_ids()
+        choice["response_token_ids" if request.route == "chat" else "token_ids"] = answer.ids
+    object_name = "chat.completion" if request.route == "chat" else "text_completion"
+    return {
+        **_head(answer, object_name),
+        "choices": [choice],
+        "usage": _usage("sglang", answer, answer.output_tokens, "final"),
+        "metadata": None,
+    }
+
+
+def _openai_body(answer: Answer) -> dict[str, Any]:
+    request = answer.request
+    tokens = tuple(t for t in answer.tokens if t.kind != "reasoning")
+    if request.route == "completions":
+        return {
+            **_head(answer, "text_completion"),
+            "choices": [
+                {
+                    "text": answer.text_of("content"),
+                    "index": 0,
+                    "logprobs": _completion_logprobs("openai", tokens, request.logprobs, 0),
+                    "finish_reason": answer.finish_reason,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": answer.prompt_tokens,
+                "completion_tokens": answer.output_tokens,
+                "total_tokens": answer.prompt_tokens + answer.output_tokens,
+            },
+            "system_fingerprint": answer.fingerprint,
+        }
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": answer.text_of("content")
+        or (None if answer.calls or answer.text_of("refusal") else ""),
+        "refusal": answer.text_of("refusal") or None,
+        "annotations": [],
+    }
+    if answer.calls:
+        message["tool_calls"] = _tool_calls(answer, with_index=False)
+    return {
+        **_head(answer, "chat.completion"),
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": _chat_logprobs("openai", tokens, request.logprobs),
+                "finish_reason": answer.finish_reason,
+            }
+        ],
+        "usage": _usage("openai", answer, answer.output_tokens, "final"),
+        "service_tier": "default",
+        "system_fingerprint": answer.fingerprint,
+    }
+
+
+_BODIES = {"vllm": _vllm_body, "sglang": _sglang_body, "openai": _openai_body}
+
+
+def response_body(dialect: Dialect, answer: Answer) -> dict[str, Any]:
+    """The non-streaming response object."""
+    return _BODIES[dialect](answer)
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+_OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error"}
+_OPENAI_CODES = {404: "model_not_found"}
+
+
+def _error_object(dialect: Dialect, failure: SimFailure) -> dict[str, Any]:
+    if dialect == "sglang":
+        return {
+            "object": "error",
+            "message": failure.message,
+            "type": failure.type,
+            "param": failure.param,
+            "code": failure.status,
+        }
+    if dialect == "openai":
+        param = failure.param
+        if param is not None and param.startswith("body."):
+            param = param[len("body.") :]
+        return {
+            "error": {
+                "message": failure.message,
+                "type": _OPENAI_TYPES.get(failure.status, "server_error"),
+                "param": param,
+                "code": _OPENAI_CODES.get(failure.status),
+            }
+        }
+    return {
+        "error": {
+            "message": failure.message,
+            "type": failure.type,
+            "param": failure.param,
+            "code": failure.status,
+        }
+    }
+
+
+def error_body(dialect: Dialect, failure: SimFailure) -> bytes:
+    """The error response body (vLLM nested with an int code, SGLang flat, OpenAI's envelope)."""
+    return orjson.dumps(_error_object(dialect, failure))
+
+
+def error_frame(dialect: Dialect, failure: SimFailure) -> bytes:
+    """The in-band error event. Both engines write it with ``json.dumps``, spaces included."""
+    obj = _error_object(dialect, failure)
+    inner = obj if dialect == "sglang" else obj["error"]
+    return b"data: " + json.dumps({"error": inner}).encode() + b"\n\n"
+
+
+def route_not_found(dialect: Dialect, method: str, path: str, *, status: int) -> bytes:
+    """The body of a 404 (unknown route) or a 405 (known route, wrong method)."""
+    if dialect == "openai":
+        message = f"Invalid URL ({method} {path})"
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+        )
+    return orjson.dumps({"detail": "Not Found" if status == 404 else "Method Not Allowed"})

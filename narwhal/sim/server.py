@@ -1,0 +1,214 @@
+"""The simulated engine over real HTTP: a Quart-Trio app under Hypercorn's Trio worker.
+
+``narwhal sim --bind 127.0.0.1:8101 --model llama-3.1-8b-instruct`` runs one engine server;
+:func:`serve_sim` embeds one in a Trio program (bind port 0 picks a free port; the real URL is
+reported through ``task_status``). Routes: ``/health``, ``/v1/models``, ``/metrics`` (vLLM's gauge
+names), ``/v1/chat/completions``, ``/v1/completions``; every other route answers JSON (the
+dialect's 404 or 405).
+
+The server is also the zero-delay engine of the router-overhead benchmark, so a request does
+little beyond planning: frames with no delay are sent without any sleep, and there is no access
+log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from narwhal.sim.engine import SimConnectionDropped, SimEngine
+from narwhal.sim.timing import PROFILES, profile
+
+__all__ = ["create_sim_app", "main", "serve_sim"]
+
+_logger = logging.getLogger(__name__)
+
+
+async def _answer(engine: SimEngine) -> Response:
+    data = await request.get_data(cache=False, as_text=False)
+    raw = data.encode() if isinstance(data, str) else data
+    plan = engine.respond(request.method, request.path, raw, created=int(time.time()))
+    stream = engine.stream(plan)
+    try:
+        await stream.wait_head()
+    except SimConnectionDropped:
+        # An ASGI app cannot reset the socket before the head: send the head, then break the
+        # body (the client sees an incomplete chunked read).
+        return Response(_Broken(), status=200, headers=dict(plan.headers))
+    return Response(stream, status=plan.status, headers=dict(plan.headers))
+
+
+class _Broken:
+    """A response body whose first read breaks the connection."""
+
+    def __aiter__(self) -> _Broken:
+        return self
+
+    async def __anext__(self) -> bytes:
+        raise SimConnectionDropped("the simulated engine broke the connection")
+
+
+def create_sim_app(engine: SimEngine) -> QuartTrio:
+    """The Quart-Trio app serving ``engine``.
+
+    ``RESPONSE_TIMEOUT`` is off (Quart's default 60 s would cut long streams) and Quart's own
+    error pages are replaced by the dialect's JSON.
+    """
+    app = QuartTrio("narwhal.sim")
+    app.config["RESPONSE_TIMEOUT"] = None
+
+    async def completion() -> Response:
+        return await _answer(engine)
+
+    async def info() -> Response:
+        plan = engine.respond(request.method, request.path, created=int(time.time()))
+        return Response(plan.body, status=plan.status, headers=dict(plan.headers))
+
+    async def not_found(_: Exception) -> Response:
+        plan = engine.respond(request.method, request.path)
+        return Response(plan.body, status=plan.status, headers=dict(plan.headers))
+
+    async def too_large(_: Exception) -> Response:
+        body = b'{"error":{"message":"Request body too large","type":"BadRequestError",'
+        body += b'"param":null,"code":413}}'
+        return Response(body, status=413, headers={"content-type": "application/json"})
+
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        app.add_url_rule(path, f"completion:{path}", completion, methods=["POST"])
+    for path in ("/health", "/v1/models", "/metrics"):
+        app.add_url_rule(path, f"info:{path}", info, methods=["GET"])
+    app.register_error_handler(404, not_found)
+    app.register_error_handler(405, not_found)
+    app.register_error_handler(413, too_large)
+    return app
+
+
+class _DropFilter(logging.Filter):
+    """Keeps a planned connection drop out of Hypercorn's "Error in ASGI Framework" log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and _is_drop(error))
+
+
+def _is_drop(error: BaseException) -> bool:
+    if isinstance(error, SimConnectionDropped):
+        return True
+    if isinstance(error, BaseExceptionGroup):
+        return all(_is_drop(inner) for inner in error.exceptions)
+    return False
+
+
+_DROP_FILTER = _DropFilter()
+
+
+async def serve_sim(
+    engine: SimEngine,
+    bind: str,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``engine`` over HTTP at ``bind`` (``HOST:PORT``; port 0 picks a free one).
+
+    Args:
+        engine: the engine to serve.
+        bind: where to listen.
+        shutdown_trigger: when it returns, Hypercorn shuts down gracefully.
+        task_status: receives the bound URL, e.g. ``http://127.0.0.1:41234``.
+    """
+    config = HypercornConfig()
+    config.bind = [bind]
+    config.accesslog = None
+    config.graceful_timeout = 1.0
+    logging.getLogger("hypercorn.error").addFilter(_DROP_FILTER)  # idempotent for one object
+    app = create_sim_app(engine)
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(
+            partial(hypercorn_serve, app, config, shutdown_trigger=shutdown_trigger)
+        )
+        task_status.started(binds[0])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="narwhal sim", description="Run one simulated inference engine."
+    )
+    parser.add_argument("--bind", required=True, help="HOST:PORT to listen on (port 0: any)")
+    parser.add_argument("--model", required=True, help="the model name served")
+    parser.add_argument("--dialect", choices=("vllm", "sglang", "openai"), default="vllm")
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default="h100-llama3-8b",
+        help="timing profile (default: %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="decides every generated answer")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiplies every simulated duration (0.1: ten times faster)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``narwhal sim``: serve one simulated engine until Ctrl-C. Returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.time_scale >= 0:
+        parser.error("--time-scale must be >= 0")
+    engine = SimEngine(
+        args.model,
+        dialect=args.dialect,
+        timing=profile(args.profile, time_scale=args.time_scale),
+        seed=args.seed,
+    )
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            url: Any = await nursery.start(serve_sim, engine, args.bind)
+            print(
+                f"narwhal sim: {args.dialect} engine serving {args.model!r} "
+                f"({args.profile}, time scale {args.time_scale:g}) at {url}",
+                flush=True,
+            )
+
+    try:
+        trio.run(run)
+    except KeyboardInterrupt:
+        return 0
+    except BaseExceptionGroup as group:
+        if (
+            group.subgroup(KeyboardInterrupt) is not None
+            and group.subgroup(lambda e: not isinstance(e, (KeyboardInterrupt, BaseExceptionGroup)))
+            is None
+        ):
+            return 0
+        refused = group.subgroup(OSError)
+        if refused is None:
+            raise
+        print(
+            f"narwhal sim: cannot listen on {args.bind}: {refused.exceptions[0]}", file=sys.stderr
+        )
+        return 1
+    except OSError as exc:
+        print(f"narwhal sim: cannot listen on {args.bind}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

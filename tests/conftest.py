@@ -1,0 +1,125 @@
+"""Shared fixtures: a router in front of in-process simulated engines, in virtual time."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from narwhal.config import Config, EngineConfig, ServingConfig, UpstreamConfig
+from narwhal.router import Router
+from narwhal.sim.engine import SimEngine
+from narwhal.sim.timing import profile
+from narwhal.sim.transport import SimTransport
+from narwhal.web.app import create_app, get_router
+from tests.support import ASGIStreamTransport, run_lifespan
+
+MODEL = "llama-3.1-8b-instruct"
+
+
+@attrs.define
+class Fleet:
+    """A running router, its HTTP client and the simulated engines behind it."""
+
+    router: Router
+    client: httpx.AsyncClient
+    sims: dict[str, SimTransport]
+    baseline: int = 0
+
+    def completions_received(self) -> int:
+        """Completion requests the engines received since the fleet became ready (no probes)."""
+        total = sum(sim.statistics().completion_requests for sim in self.sims.values())
+        return total - self.baseline
+
+    def set_directives(self, engine: str, directives: dict[str, Any]) -> None:
+        """Make one engine misbehave from now on (test directives as engine defaults)."""
+        self.sims[engine].engine.set_directives(directives)
+
+    async def chat(self, **body: Any) -> httpx.Response:
+        body.setdefault("model", MODEL)
+        body.setdefault("messages", [{"role": "user", "content": "Hello there"}])
+        return await self.client.post("/v1/chat/completions", json=body)
+
+    async def completion(self, **body: Any) -> httpx.Response:
+        body.setdefault("model", MODEL)
+        body.setdefault("prompt", "The capital of France is")
+        return await self.client.post("/v1/completions", json=body)
+
+    def counters(self) -> dict[str, int]:
+        return self.router.statistics().accounting.as_json()
+
+    def assert_quiescent(self) -> None:
+        """No request in flight, no slot held, and the books balance."""
+        stats = self.router.statistics()
+        books = stats.accounting
+        assert books.in_flight == 0, books
+        assert books.offered == sum(books.terminal.values())
+        for engine in stats.engines:
+            assert (engine.prefill, engine.decode) == (0, 0), engine
+
+
+StartFleet = Callable[..., Awaitable[Fleet]]
+
+
+def engine_config(name: str, dialect: str = "vllm", **kwargs: Any) -> EngineConfig:
+    return EngineConfig(name=name, url=f"http://{name}.test", dialect=dialect, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def start_fleet(nursery: trio.Nursery) -> AsyncIterator[StartFleet]:
+    """Start a router with simulated engines; returns once ``/ready`` would be 200.
+
+    Each engine is given as ``(name, dialect)`` or an :class:`EngineConfig`; ``directives``
+    maps engine names to simulator directives applied from the start (join probes included).
+    """
+    fleets: list[Fleet] = []
+
+    async def start(
+        engines: Sequence[tuple[str, str] | EngineConfig] = (("sim-a", "vllm"), ("sim-b", "vllm")),
+        *,
+        directives: dict[str, dict[str, Any]] | None = None,
+        wait_ready: bool = True,
+        **config: Any,
+    ) -> Fleet:
+        configs = tuple(
+            e if isinstance(e, EngineConfig) else engine_config(e[0], e[1]) for e in engines
+        )
+        config.setdefault("serving", ServingConfig(model=MODEL))
+        config.setdefault("upstream", UpstreamConfig(read_timeout_s=600))
+        settings = Config(engines=configs, **config)
+        sims = {
+            engine.name: SimTransport(
+                SimEngine(
+                    MODEL,
+                    dialect=engine.dialect,
+                    timing=profile("h100-llama3-8b"),
+                    seed=index,
+                    name=engine.name,
+                )
+            )
+            for index, engine in enumerate(configs)
+        }
+        for name, values in (directives or {}).items():
+            sims[name].engine.set_directives(values)
+        app = create_app(settings, transports=sims)
+
+        await nursery.start(partial(run_lifespan, app))
+        client = httpx.AsyncClient(
+            transport=ASGIStreamTransport(app, nursery), base_url="http://narwhal.test"
+        )
+        fleet = Fleet(get_router(app), client, sims)
+        if wait_ready:
+            with trio.fail_after(60):
+                await fleet.router.wait_ready()
+            fleet.baseline = fleet.completions_received()
+        fleets.append(fleet)
+        return fleet
+
+    yield start
+    for fleet in fleets:
+        await fleet.client.aclose()
