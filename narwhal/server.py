@@ -11,7 +11,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from narwhal.config import Config
-from narwhal.web.app import create_app
+from narwhal.web.app import create_app, get_router
 
 __all__ = ["hypercorn_config", "serve"]
 
@@ -47,12 +47,18 @@ async def serve(
         task_status: receives the list of bound URLs once listening.
     """
     app = create_app(config, transports=transports)
-    await hypercorn_serve(
-        app,
-        hypercorn_config(bind or config.serving.bind),
-        shutdown_trigger=shutdown_trigger,
-        task_status=task_status,
-    )
+    try:
+        await hypercorn_serve(
+            app,
+            hypercorn_config(bind or config.serving.bind),
+            shutdown_trigger=shutdown_trigger,
+            task_status=task_status,
+        )
+    finally:
+        # Hypercorn skips the lifespan shutdown when it is cancelled: close the engine
+        # connections here too (closing twice is harmless).
+        with trio.CancelScope(shield=True):
+            await get_router(app).aclose()
 
 
 async def wait_for_signal() -> None:

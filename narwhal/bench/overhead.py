@@ -145,6 +145,7 @@ class _Tally:
     wall_s: float = 0.0
     cpu_s: float | None = None
     engine_cpu_s: float | None = None
+    loadgen_cpu_s: float = 0.0
 
 
 def split_rounds(requests: int, rounds: int) -> list[int]:
@@ -316,7 +317,7 @@ async def _measure_level(
             tally = tallies[target.name]
             cpu_before = target.cpu_seconds()
             engine_before = None if engine is None else engine.cpu_seconds()
-            started = time.perf_counter()
+            started, loadgen_before = time.perf_counter(), time.process_time()
             tally.records += await load.run_closed_loop(
                 client,
                 target.url + "/v1/chat/completions",
@@ -326,6 +327,7 @@ async def _measure_level(
                 first_index=len(tally.records),
             )
             tally.wall_s += time.perf_counter() - started
+            tally.loadgen_cpu_s += time.process_time() - loadgen_before
             tally.cpu_s = _add(tally.cpu_s, cpu_before, target.cpu_seconds())
             if engine is not None:
                 tally.engine_cpu_s = _add(tally.engine_cpu_s, engine_before, engine.cpu_seconds())
@@ -341,6 +343,7 @@ async def _measure_level(
                 wall_s=tally.wall_s,
                 cpu_s=tally.cpu_s,
                 engine_cpu_s=tally.engine_cpu_s,
+                loadgen_cpu_s=tally.loadgen_cpu_s,
                 rss_bytes=None if memory is None else memory.rss_bytes,
                 peak_rss_bytes=None if memory is None else memory.peak_rss_bytes,
             )

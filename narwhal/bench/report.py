@@ -19,6 +19,7 @@ from narwhal.bench.load import LatencySummary, RequestRecord
 __all__ = [
     "DIRECT",
     "NARWHAL",
+    "RATIO_FLOOR_S",
     "VLLM_ROUTER",
     "Added",
     "Check",
@@ -56,6 +57,7 @@ class TargetResult:
             direct path, which has no process of its own).
         engine_cpu_s: CPU seconds the engine used during the target's rounds (``None`` when the
             engine is not a process this benchmark started).
+        loadgen_cpu_s: CPU seconds the load generator itself used during the target's rounds.
         rss_bytes: the target process's resident memory at the end of the level.
         peak_rss_bytes: its peak resident memory so far.
     """
@@ -72,6 +74,7 @@ class TargetResult:
     wall_s: float
     cpu_s: float | None = None
     engine_cpu_s: float | None = None
+    loadgen_cpu_s: float | None = None
     rss_bytes: int | None = None
     peak_rss_bytes: int | None = None
 
@@ -85,6 +88,7 @@ class TargetResult:
         wall_s: float,
         cpu_s: float | None = None,
         engine_cpu_s: float | None = None,
+        loadgen_cpu_s: float | None = None,
         rss_bytes: int | None = None,
         peak_rss_bytes: int | None = None,
     ) -> TargetResult:
@@ -105,6 +109,7 @@ class TargetResult:
             wall_s=wall_s,
             cpu_s=cpu_s,
             engine_cpu_s=engine_cpu_s,
+            loadgen_cpu_s=loadgen_cpu_s,
             rss_bytes=rss_bytes,
             peak_rss_bytes=peak_rss_bytes,
         )
@@ -118,6 +123,11 @@ class TargetResult:
     def engine_cpu_s_per_1k(self) -> float | None:
         """The engine's CPU seconds per 1,000 of this target's requests."""
         return _per_1k(self.engine_cpu_s, self.requests)
+
+    @property
+    def loadgen_cpu_s_per_1k(self) -> float | None:
+        """The load generator's CPU seconds per 1,000 of this target's requests."""
+        return _per_1k(self.loadgen_cpu_s, self.requests)
 
     @property
     def throughput_rps(self) -> float | None:
@@ -142,6 +152,8 @@ class TargetResult:
             "cpu_s_per_1k_requests": self.cpu_s_per_1k,
             "engine_cpu_s": self.engine_cpu_s,
             "engine_cpu_s_per_1k_requests": self.engine_cpu_s_per_1k,
+            "loadgen_cpu_s": self.loadgen_cpu_s,
+            "loadgen_cpu_s_per_1k_requests": self.loadgen_cpu_s_per_1k,
             "rss_bytes": self.rss_bytes,
             "peak_rss_bytes": self.peak_rss_bytes,
         }
@@ -157,10 +169,16 @@ def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
+RATIO_FLOOR_S = 0.0001
+"""Added latencies below this (0.1 ms) are within the measurement's noise: no ratio to them."""
+
+
+def ratio(
+    numerator: float | None, denominator: float | None, *, floor: float = 0.0
+) -> float | None:
     """``numerator / denominator``, or ``None`` when either is missing or the denominator is
-    not positive (an added latency at or below zero has no meaningful ratio)."""
-    if numerator is None or denominator is None or denominator <= 0:
+    not above ``floor`` (nor positive): a ratio to a value lost in noise means nothing."""
+    if numerator is None or denominator is None or denominator <= max(floor, 0.0):
         return None
     return numerator / denominator
 
@@ -191,7 +209,11 @@ class Added:
 
 @attrs.frozen
 class Ratios:
-    """Narwhal's figures divided by vllm-router's (1.0 is parity; lower favours Narwhal)."""
+    """Narwhal's figures divided by vllm-router's (1.0 is parity; lower favours Narwhal).
+
+    A latency ratio is ``None`` where vllm-router's added latency is at most
+    :data:`RATIO_FLOOR_S`: the absolute figures say more there.
+    """
 
     added_ttft_p50: float | None
     added_ttft_p99: float | None
@@ -205,10 +227,10 @@ class Ratios:
     ) -> Ratios:
         """The ratios from both routers' added latencies and CPU per 1,000 requests."""
         return cls(
-            added_ttft_p50=ratio(narwhal.ttft_p50_s, vllm_router.ttft_p50_s),
-            added_ttft_p99=ratio(narwhal.ttft_p99_s, vllm_router.ttft_p99_s),
-            added_e2e_p50=ratio(narwhal.e2e_p50_s, vllm_router.e2e_p50_s),
-            added_e2e_p99=ratio(narwhal.e2e_p99_s, vllm_router.e2e_p99_s),
+            added_ttft_p50=ratio(narwhal.ttft_p50_s, vllm_router.ttft_p50_s, floor=RATIO_FLOOR_S),
+            added_ttft_p99=ratio(narwhal.ttft_p99_s, vllm_router.ttft_p99_s, floor=RATIO_FLOOR_S),
+            added_e2e_p50=ratio(narwhal.e2e_p50_s, vllm_router.e2e_p50_s, floor=RATIO_FLOOR_S),
+            added_e2e_p99=ratio(narwhal.e2e_p99_s, vllm_router.e2e_p99_s, floor=RATIO_FLOOR_S),
             cpu_per_request=ratio(narwhal_cpu, vllm_cpu),
         )
 
@@ -389,7 +411,7 @@ _HEADER = (
     f"{'target':<12}{'ok':>6}{'err':>5}"
     f"{'TTFT p50':>10}{'p99':>8}{'E2E p50':>9}{'p99':>8}"
     f"{'+TTFT p50':>11}{'p99':>8}{'+E2E p50':>10}{'p99':>8}"
-    f"{'CPU s/1k':>10}{'eng CPU':>9}{'RSS MiB':>9}{'req/s':>8}"
+    f"{'CPU s/1k':>10}{'eng CPU':>9}{'gen CPU':>9}{'RSS MiB':>9}{'req/s':>8}"
 )
 
 
@@ -411,6 +433,7 @@ def _render_level(level: LevelReport) -> list[str]:
             f"{_ms(_field(added, 'e2e_p50_s'), signed=True):>10}"
             f"{_ms(_field(added, 'e2e_p99_s'), signed=True):>8}"
             f"{_number(result.cpu_s_per_1k, 2):>10}{_number(result.engine_cpu_s_per_1k, 2):>9}"
+            f"{_number(result.loadgen_cpu_s_per_1k, 2):>9}"
             f"{_number(result.rss_bytes and result.rss_bytes / _MIB, 1):>9}"
             f"{_number(result.throughput_rps, 0):>8}"
         )

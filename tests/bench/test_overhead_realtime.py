@@ -25,7 +25,7 @@ def test_quick_run_through_narwhal_has_no_errors(tmp_path: Path) -> None:
             "--quick",
             "--no-vllm-router",
             "--concurrency", "1,16,64",
-            "--requests", "20,48,128",
+            "--requests", "16,32,64",
             "--warmup", "8",
             "--request-timeout", "10",
             "--startup-timeout", "30",
@@ -41,7 +41,7 @@ def test_quick_run_through_narwhal_has_no_errors(tmp_path: Path) -> None:
     for level in report["levels"]:
         for target in ("direct", "narwhal"):
             result = level["targets"][target]
-            assert result["requests"] == {1: 20, 16: 48, 64: 128}[level["concurrency"]]
+            assert result["requests"] == {1: 16, 16: 32, 64: 64}[level["concurrency"]]
             assert result["output_events_min"] == result["output_events_max"] == 64
         assert level["targets"]["narwhal"]["cpu_s"] is not None
     names = [check["name"] for check in report["checks"]]

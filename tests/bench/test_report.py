@@ -14,6 +14,7 @@ from narwhal.bench.cli import main, parse_levels
 from narwhal.bench.load import RequestRecord
 from narwhal.bench.overhead import DEFAULT_LEVELS, Level, narwhal_config_text, split_rounds
 from narwhal.bench.report import (
+    RATIO_FLOOR_S,
     Added,
     LevelReport,
     OverheadReport,
@@ -108,6 +109,8 @@ def test_ratio_is_undefined_for_a_non_positive_denominator() -> None:
     assert ratio(1.0, 0.0) is None
     assert ratio(1.0, -0.5) is None
     assert ratio(None, 1.0) is None
+    assert ratio(1.0, 0.00005, floor=RATIO_FLOOR_S) is None  # below the noise floor
+    assert ratio(1.0, 0.0002, floor=RATIO_FLOOR_S) == pytest.approx(5000.0)
     assert Added(None, None, None, None).as_json()["ttft_p50_s"] is None
 
 

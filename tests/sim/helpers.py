@@ -1,0 +1,77 @@
+"""Helpers for the simulator tests: decode SSE bodies and compare JSON shapes key for key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from narwhal.sim import SimEngine, SimPlan
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MODEL = "qwen3-8b"
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+def events(body: bytes) -> list[Any]:
+    """Each ``data:`` payload of an SSE body, decoded; ``[DONE]`` and non-JSON stay strings."""
+    result: list[Any] = []
+    for block in body.split(b"\n\n"):
+        if not block:
+            continue
+        assert block.startswith(b"data: "), block
+        payload = block[len(b"data: ") :]
+        try:
+            result.append(orjson.loads(payload))
+        except orjson.JSONDecodeError:
+            result.append(payload.decode())
+    return result
+
+
+def plan_events(plan: SimPlan) -> list[Any]:
+    """The decoded events of a streaming plan."""
+    return events(plan.body)
+
+
+def captured(line: str) -> Any:
+    """A captured line (``data: {...}`` or a bare body) as JSON."""
+    return orjson.loads(line.removeprefix("data: "))
+
+
+def skeleton(value: Any, key: str | None = None) -> Any:
+    """The shape of a JSON value: keys in order, value types, nulls kept.
+
+    Lists become the ordered set of their elements' shapes, so ``[9707]`` and ``[1, 2, 3]`` match.
+    A completions ``top_logprobs`` entry maps token texts to numbers, so its keys are abstracted.
+    """
+    if isinstance(value, dict):
+        if key == "top_logprobs" and "token" not in value:
+            return "token->logprob"
+        return [(k, skeleton(v, k)) for k, v in value.items()]
+    if isinstance(value, list):
+        shapes: list[Any] = []
+        for item in value:
+            shape = skeleton(item, key)
+            if shape not in shapes:
+                shapes.append(shape)
+        return ["list", *shapes]
+    if value is None:
+        return None
+    return type(value).__name__
+
+
+def chat(engine: SimEngine, **fields: Any) -> SimPlan:
+    """Plan a chat request with a default message."""
+    return engine.plan(CHAT, {"model": engine.model, "messages": MESSAGES, **fields})
+
+
+def completion(engine: SimEngine, **fields: Any) -> SimPlan:
+    """Plan a completions request with a default prompt."""
+    body = {"model": engine.model, "prompt": "The capital of France is", **fields}
+    return engine.plan(COMPLETIONS, body)
+
+
+def json_body(plan: SimPlan) -> Any:
+    """The plan's body as JSON."""
+    return orjson.loads(plan.body)
