@@ -34,7 +34,9 @@ def demo_config(bind: str = "127.0.0.1:8000") -> Config:
     )
 
 
-def demo_transports(config: Config, *, time_scale: float = 1.0) -> dict[str, httpx.AsyncBaseTransport]:
+def demo_transports(
+    config: Config, *, time_scale: float = 1.0
+) -> dict[str, httpx.AsyncBaseTransport]:
     """One in-process simulated engine per configured engine."""
     return {
         engine.name: SimTransport(

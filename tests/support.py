@@ -124,11 +124,7 @@ class ASGIStreamTransport(httpx.AsyncBaseTransport):
 
 def sse_payloads(text: str) -> list[str]:
     """The ``data:`` payloads of an SSE body, in order."""
-    return [
-        block[len("data: ") :]
-        for block in text.split("\n\n")
-        if block.startswith("data: ")
-    ]
+    return [block[len("data: ") :] for block in text.split("\n\n") if block.startswith("data: ")]
 
 
 async def run_lifespan(app: Any, *, task_status: trio.TaskStatus[None]) -> None:

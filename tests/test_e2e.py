@@ -44,7 +44,7 @@ async def router_url(nursery: trio.Nursery) -> AsyncIterator[str]:
     url = urls[0]
     async with httpx.AsyncClient() as client:
         with trio.fail_after(20):
-            while (await client.get(f"{url}/ready")).status_code != 200:
+            while (await client.get(f"{url}/ready")).status_code != 200:  # noqa: ASYNC110
                 await trio.sleep(0.02)
     yield url
 

@@ -128,7 +128,10 @@ async def test_non_streaming_is_not_retried_after_output(
 
 @pytest.mark.parametrize(
     ("name", "param"),
-    [("unsupported_field", "choices[0].delta.audio"), ("annotations", "choices[0].delta.annotations")],
+    [
+        ("unsupported_field", "choices[0].delta.audio"),
+        ("annotations", "choices[0].delta.annotations"),
+    ],
 )
 async def test_assembly_refuses_unsupported_engine_fields(
     start_fleet: StartFleet, autojump_clock: trio.testing.MockClock, name: str, param: str
@@ -210,8 +213,7 @@ async def test_client_disconnect_mid_stream_closes_the_upstream_at_once(
         assert sim.statistics().streams_open == 1
         closed_at = trio.current_time()
     with trio.fail_after(1):
-        while sim.statistics().streams_open:
-            await trio.sleep(0.001)
+        await sim.wait_until(lambda stats: stats.streams_open == 0)
     assert trio.current_time() - closed_at < 0.01
     assert sim.statistics().streams_closed_early == 1
     assert fleet.counters()["cancelled"] == 1
@@ -225,8 +227,8 @@ async def test_client_disconnect_before_headers_is_cancelled(
     with trio.move_on_after(1):
         await fleet.chat(stream=True, narwhal_sim=fault("stall"))
     with trio.fail_after(1):
-        while fleet.router.accounting.in_flight:
-            await trio.sleep(0.001)
+        await fleet.sims["sim-a"].wait_until(lambda stats: stats.streams_open == 0)
+    await trio.sleep(0.001)  # let the handler finish its bookkeeping after the close
     assert fleet.counters()["cancelled"] == 1
     assert fleet.sims["sim-a"].statistics().streams_open == 0
     fleet.assert_quiescent()

@@ -29,7 +29,12 @@ def assert_envelope(response: httpx.Response, status: int, code: str, param: Any
     [
         (b"{not json", 400, "invalid_request", None),
         (b"[]", 400, "invalid_request", None),
-        (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "invalid_request", "messages"),
+        (
+            json.dumps({"model": MODEL, "messages": "hi"}).encode(),
+            400,
+            "invalid_request",
+            "messages",
+        ),
         (
             json.dumps({"model": MODEL, "messages": [{"role": "user", "content": 5}]}).encode(),
             400,
@@ -38,28 +43,46 @@ def assert_envelope(response: httpx.Response, status: int, code: str, param: Any
         ),
         (
             json.dumps(
-                {"model": MODEL, "messages": [], "stream": True, "stream_options": {"include_usage": 1}}
+                {
+                    "model": MODEL,
+                    "messages": [],
+                    "stream": True,
+                    "stream_options": {"include_usage": 1},
+                }
             ).encode(),
             400,
             "invalid_request",
             "messages",
         ),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "invalid_request", "model"),
         (
-            json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}).encode(),
+            json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+            400,
+            "invalid_request",
+            "model",
+        ),
+        (
+            json.dumps(
+                {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
+            ).encode(),
             404,
             "model_not_found",
             "model",
         ),
         (
-            json.dumps({"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "x"}]}).encode(),
+            json.dumps(
+                {"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "x"}]}
+            ).encode(),
             400,
             "invalid_sampling_width",
             "n",
         ),
         (
             json.dumps(
-                {"model": MODEL, "audio": {"voice": "x"}, "messages": [{"role": "user", "content": "x"}]}
+                {
+                    "model": MODEL,
+                    "audio": {"voice": "x"},
+                    "messages": [{"role": "user", "content": "x"}],
+                }
             ).encode(),
             400,
             "unsupported_option",
@@ -67,7 +90,11 @@ def assert_envelope(response: httpx.Response, status: int, code: str, param: Any
         ),
         (
             json.dumps(
-                {"model": MODEL, "modalities": ["text", "audio"], "messages": [{"role": "user", "content": "x"}]}
+                {
+                    "model": MODEL,
+                    "modalities": ["text", "audio"],
+                    "messages": [{"role": "user", "content": "x"}],
+                }
             ).encode(),
             400,
             "unsupported_option",
@@ -213,7 +240,14 @@ async def test_models_health_ready_metrics(
     assert engines["sim-a"]["token_accounting"] == "token_ids"
     assert engines["sim-b"]["token_accounting"] == "unavailable"
     for engine in engines.values():
-        assert set(engine) == {"name", "eligible", "reason", "token_accounting", "wave", "occupancy"}
+        assert set(engine) == {
+            "name",
+            "eligible",
+            "reason",
+            "token_accounting",
+            "wave",
+            "occupancy",
+        }
         assert engine["occupancy"] == {"prefill": 0, "decode": 0}
     text = (await fleet.client.get("/metrics")).text
     for name in (
