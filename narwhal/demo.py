@@ -15,7 +15,9 @@ import trio
 
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig
 from narwhal.server import serve, wait_for_signal
-from narwhal.sim import SimEngine, SimTransport, profile
+from narwhal.sim.engine import SimEngine
+from narwhal.sim.timing import profile
+from narwhal.sim.transport import SimTransport
 
 __all__ = ["demo_config", "demo_transports", "run_demo"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -21,7 +22,8 @@ def hypercorn_config(bind: str) -> HypercornConfig:
     settings = HypercornConfig()
     settings.bind = [bind]
     settings.accesslog = None
-    settings.errorlog = "-"
+    # Hypercorn logs through this logger as given: the application's logging setup decides.
+    settings.errorlog = logging.getLogger("hypercorn.error")
     settings.keep_alive_timeout = 75
     settings.graceful_timeout = 5
     return settings
