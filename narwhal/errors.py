@@ -16,6 +16,7 @@ Admission counters). The web layer translates them to responses in exactly one p
     │   └── EngineRejectedRequest      4xx (the engine's status and code)
     ├── RouteNotFound                  404 not_found                  (not offered)
     ├── MethodNotAllowed               405 method_not_allowed         (not offered)
+    ├── FrameworkHTTPError             other statuses Quart raises    (not offered)
     ├── CapacityRejection              429 http_retention_full / admission_queue_full  rejected
     ├── PredictiveRefusal              429 ttft_budget_exceeded / prompt_exceeds_ttft_budget
     │                                                                   refused
@@ -38,6 +39,7 @@ __all__ = [
     "EngineRejectedRequest",
     "EngineResponseError",
     "Expired",
+    "FrameworkHTTPError",
     "InvalidRequest",
     "InvalidSamplingWidth",
     "MethodNotAllowed",
@@ -162,6 +164,24 @@ class RouteNotFound(NarwhalError):
     type = "invalid_request_error"
     default_code = "not_found"
     counted_as = None
+
+
+class FrameworkHTTPError(NarwhalError):
+    """Any other HTTP-level error (a body timeout, a malformed request line) in the envelope."""
+
+    type = "invalid_request_error"
+    default_code = "invalid_request"
+    counted_as = None
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self._status = status
+        if status >= 500:
+            self.code = "internal_error"
+
+    @property
+    def http_status(self) -> int:
+        return self._status
 
 
 class MethodNotAllowed(NarwhalError):

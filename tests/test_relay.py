@@ -179,3 +179,31 @@ async def test_ttft_and_gaps_follow_the_simulated_engine(
         assert trio.current_time() - start == pytest.approx(0.25)
         await response.aread()
     assert trio.current_time() - start == pytest.approx(0.35)
+
+
+async def test_forcing_usage_does_not_turn_on_continuous_usage(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet([("sim-a", "vllm")])
+    response = await fleet.chat(
+        stream=True,
+        stream_options={"continuous_usage_stats": True},
+        narwhal_sim={"output_tokens": 3},
+    )
+    chunks = frames(response.text)[:-1]
+    assert all(chunk.get("usage") is None for chunk in chunks)
+    sent = fleet.sims["sim-a"].requests[-1]["stream_options"]
+    assert sent == {"include_usage": True}
+
+
+async def test_continuous_usage_passes_when_the_client_asks_for_it(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet([("sim-a", "vllm")])
+    response = await fleet.chat(
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        narwhal_sim={"output_tokens": 3},
+    )
+    chunks = frames(response.text)[:-1]
+    assert all(chunk.get("usage") is not None for chunk in chunks)

@@ -129,11 +129,6 @@ class Exposure:
     hide_token_ids: bool
     drop_usage_chunk: bool
 
-    @property
-    def rewrites(self) -> bool:
-        """Whether any chunk may need rewriting."""
-        return self.hide_token_ids
-
 
 def expose(chunk: dict[str, Any], route: str, exposure: Exposure) -> bool:
     """Repair ``chunk`` in place for the client; return whether anything changed.

@@ -26,6 +26,10 @@ def upstream_body(request: CompletionRequest, *, token_ids: bool) -> tuple[bytes
     body = dict(request.body)
     body["stream"] = True
     options = dict(request.body.get("stream_options") or {})
+    if not request.include_usage:
+        # Without include_usage the engine sends no continuous usage either (vLLM >= 0.18);
+        # forcing include_usage must not turn it on.
+        options.pop("continuous_usage_stats", None)
     options["include_usage"] = True
     body["stream_options"] = options
     if token_ids:

@@ -17,11 +17,11 @@ from werkzeug.exceptions import HTTPException
 
 from narwhal.config import Config
 from narwhal.errors import (
+    FrameworkHTTPError,
     MethodNotAllowed,
     NarwhalError,
     RequestTooLarge,
     RouteNotFound,
-    UpstreamFailure,
 )
 from narwhal.router import Router
 from narwhal.web.body import NarwhalRequest
@@ -114,13 +114,12 @@ def create_app(
                 f"The request body is larger than {config.serving.max_request_bytes} bytes."
             )
         else:
-            error = NarwhalError(exc.description or "HTTP error", code="http_error")
-            error.status = exc.code or 500  # type: ignore[misc]
+            error = FrameworkHTTPError(exc.description or "HTTP error", status=exc.code or 500)
         return error_response(error)
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(UpstreamFailure("Internal router error.", code="internal_error"))
+        return error_response(NarwhalError("Internal router error."))
 
     return app
