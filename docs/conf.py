@@ -22,7 +22,8 @@ highlight_language = "none"
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_class_signature = "separated"
+autodoc_typehints_description_target = "documented"
+autodoc_class_signature = "mixed"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
