@@ -1,6 +1,6 @@
 """Configuration: frozen attrs classes loaded from TOML, strictly.
 
-Every key of SPEC.md's contract is here with its default. Unknown keys and values of the wrong
+Every key of the documented contract is here with its default. Unknown keys and values of the wrong
 type are refused with the key's dotted path (``admission.queue_limit``,
 ``engines[1].dialect``), so a typo never silently falls back to a default.
 """
@@ -292,7 +292,13 @@ def _kind(value: Any) -> str:
 def config_to_mapping(config: Config) -> dict[str, Any]:
     """The effective values, shaped like the TOML file (what ``check-config`` prints)."""
     data: dict[str, Any] = attrs.asdict(config)
-    for engine in data["engines"]:
-        for key in [key for key, value in engine.items() if value is None]:
-            del engine[key]
+    for engine, settings in zip(data["engines"], config.engines, strict=True):
+        # Show what each engine really gets, not the unset overrides.
+        engine["token_ids"] = settings.wants_token_ids
+        engine["prefill_concurrency"] = (
+            settings.prefill_concurrency or config.admission.prefill_concurrency
+        )
+        engine["decode_concurrency"] = (
+            settings.decode_concurrency or config.admission.decode_concurrency
+        )
     return data

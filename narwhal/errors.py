@@ -2,8 +2,8 @@
 
 Every error a client can see is a :class:`NarwhalError`. Each class knows its HTTP status, the
 OpenAI envelope fields (``type``, ``code``, ``param``), the extra headers it carries
-(``Retry-After``, ``x-should-retry``) and the terminal class it is counted under (SPEC.md,
-Admission counters). The web layer translates them to responses in exactly one place.
+(``Retry-After``, ``x-should-retry``) and the terminal class it is counted under (docs:
+Errors and refusals). The web layer translates them to responses in exactly one place.
 
 ::
 
@@ -69,8 +69,9 @@ class NarwhalError(Exception):
         code: the envelope's ``code`` (a string).
         param: the envelope's ``param``: the field at fault, or ``None``.
         headers: extra response headers.
-        counted_as: the terminal class of SPEC.md this outcome is counted under, or ``None``
-            for responses that are not offered requests (unknown routes).
+        counted_as: the terminal class (``invalid_requests``, ``failed``...) this outcome is
+            counted under, or ``None`` for responses that are not offered requests (unknown
+            routes).
     """
 
     status: ClassVar[int] = 500

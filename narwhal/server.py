@@ -17,15 +17,20 @@ from narwhal.web.app import create_app, get_router
 __all__ = ["hypercorn_config", "serve"]
 
 
-def hypercorn_config(bind: str) -> HypercornConfig:
-    """Hypercorn settings for a streaming router: no access log, no keep-alive cut of streams."""
+def hypercorn_config(bind: str, *, drain_deadline_s: float = 30.0) -> HypercornConfig:
+    """Hypercorn settings for a streaming router.
+
+    Args:
+        bind: ``HOST:PORT``.
+        drain_deadline_s: on shutdown, how long running streams may finish.
+    """
     settings = HypercornConfig()
     settings.bind = [bind]
     settings.accesslog = None
     # Hypercorn logs through this logger as given: the application's logging setup decides.
     settings.errorlog = logging.getLogger("hypercorn.error")
     settings.keep_alive_timeout = 75
-    settings.graceful_timeout = 5
+    settings.graceful_timeout = drain_deadline_s
     return settings
 
 
@@ -52,7 +57,9 @@ async def serve(
     try:
         await hypercorn_serve(
             app,
-            hypercorn_config(bind or config.serving.bind),
+            hypercorn_config(
+                bind or config.serving.bind, drain_deadline_s=config.control.drain_deadline_s
+            ),
             shutdown_trigger=shutdown_trigger,
             task_status=task_status,
         )

@@ -290,3 +290,32 @@ async def test_token_ids_requested_without_a_provider_is_a_400(
     fleet = await start_fleet([("sim-s", "sglang")])
     response = await fleet.chat(return_token_ids=True)
     assert_envelope(response, 400, "unsupported_option", "return_token_ids")
+
+
+async def test_size_limit_comes_before_header_validation(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet(serving=ServingConfig(model=MODEL, max_request_bytes=100))
+    response = await fleet.client.post(
+        "/v1/chat/completions",
+        content=b"x" * 500,
+        headers={"x-narwhal-deadline-ms": "soon"},
+    )
+    assert_envelope(response, 413, "request_too_large", None)
+
+
+async def test_a_router_bug_is_a_500_counted_as_failed(
+    start_fleet: StartFleet,
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fleet = await start_fleet()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr("narwhal.web.completions.parse_request", broken)
+    response = await fleet.chat()
+    error = assert_envelope(response, 500, "internal_error", None)
+    assert error["type"] == "server_error"
+    assert fleet.counters()["failed"] == 1 and fleet.counters()["cancelled"] == 0

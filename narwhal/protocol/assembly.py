@@ -2,7 +2,7 @@
 
 Narwhal always streams upstream, even for a client that did not ask for a stream; for such a
 client the router feeds every decoded chunk to an :class:`Assembler` and answers with
-:meth:`Assembler.result`. The rules are SPEC.md's "Streaming and assembly" (the seed's table,
+:meth:`Assembler.result`. The rules are the documented "Non-streaming assembly" (the seed's table,
 made exact):
 
 * ``content``, ``reasoning``, ``reasoning_content`` and ``refusal`` deltas concatenate, each under

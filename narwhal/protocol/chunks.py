@@ -2,7 +2,7 @@
 
 Three jobs, all on the hot path (every relayed chunk passes through here once):
 
-* **Inspect**: is this an *output event* (SPEC.md, Request lifecycle, step 6), does it finish a
+* **Inspect**: is this an *output event* (docs: Request lifecycle), does it finish a
   choice, does it carry usage, and how many validated token IDs does it hold?
 * **Validate token identity**: on every output event from an engine that provides IDs, each
   choice's ``token_ids`` must be a list of integers >= 0 (a Boolean is not an ID; ``[]`` is valid

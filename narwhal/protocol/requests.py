@@ -3,9 +3,9 @@
 The router interprets a handful of fields (model, messages or prompt, stream, stream_options,
 n, best_of, max_tokens, max_completion_tokens, return_token_ids, and the unsupported options
 audio, modalities and tools); everything else passes to the engine untouched and unchecked.
-Validation order, first failure wins (SPEC.md, Errors): invalid JSON / shape / type (400), then
-model (404; a missing or non-string model is a 400), then sampling width, then unsupported option.
-(413 is the shell's job: it never hands an oversized body to this module.)
+Validation order, first failure wins (docs: Errors and refusals): invalid JSON / shape / type
+(400), then model (404; a missing or non-string model is a 400), then sampling width, then
+unsupported option. (413 is the shell's job: it never hands an oversized body to this module.)
 
 The parsed object is checked in place, in one pass over the fields the router reads, and kept as
 the request's ``body``: nothing is copied or rewritten.

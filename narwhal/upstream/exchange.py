@@ -2,7 +2,7 @@
 
 Before headers, Narwhal may still change its mind: a connection error, an engine 5xx, an in-band
 error frame, a token-ID violation or a malformed event is retried once on a different eligible
-engine, else the client gets a 502 (SPEC.md, Request lifecycle, step 6). Events read before the
+engine, else the client gets a 502 (docs: Request lifecycle). Events read before the
 decision are held and flushed right after the headers.
 
 The module holds no deadlines: the caller opens the request's cancel scopes around these calls.

@@ -82,6 +82,11 @@ async def handle_completion(router: Router, route: Route) -> Response:
         if ticket.finished is None:
             ticket.finish(cast(TerminalClass, exc.counted_as), exc.code)
         return error_response(exc)
+    except Exception:
+        log.exception("request failed inside the router")
+        if ticket.finished is None:
+            ticket.finish("failed", "internal_error")
+        return error_response(NarwhalError("Internal router error."))
     except BaseException:
         if ticket.finished is None:
             ticket.finish("cancelled")
@@ -90,9 +95,15 @@ async def handle_completion(router: Router, route: Route) -> Response:
 
 async def _serve(router: Router, route: Route, ticket: Ticket, arrival: float) -> Response:
     config = router.config
-    deadline = arrival + parse_deadline_headers(request.headers, config.serving.request_deadline_s)
-    with trio.move_on_at(deadline):
+    # The body is read under the default deadline; the headers may only shorten it, and are
+    # checked after the size limit (413 comes first).
+    deadline = arrival + config.serving.request_deadline_s
+    with trio.move_on_at(deadline) as scope:
         raw = await read_body(request, config.serving.max_request_bytes)
+        deadline = arrival + parse_deadline_headers(
+            request.headers, config.serving.request_deadline_s
+        )
+        scope.deadline = deadline
         parsed = parse_request(raw, route, config.serving.model)
         if parsed.wants_token_ids and not router.pool.any_provides_token_ids():
             raise UnsupportedOption(
