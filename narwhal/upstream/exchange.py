@@ -108,6 +108,23 @@ class Exchange:
         if facts.finish:
             self.finished = True
 
+    async def next_chunk(self) -> ChunkEvent | None:
+        """The next chunk, observed; ``None`` at the end of a complete stream.
+
+        Raises:
+            EngineError: an in-band error frame, or the body ended before any choice finished.
+            EngineResponseError: a malformed event or a token-ID violation.
+        """
+        event = await self.stream.next_event()
+        if isinstance(event, ChunkEvent):
+            self.observe(event)
+            return event
+        if isinstance(event, ErrorFrameEvent):
+            raise EngineError(f"engine {self.engine.name} reported an error: {event.message()}")
+        if not event.clean and not self.finished:
+            raise EngineError(f"engine {self.engine.name} ended its stream before finishing")
+        return None
+
     async def read_until_headers(self) -> None:
         """Read and hold events until one justifies sending response headers.
 
@@ -116,17 +133,13 @@ class Exchange:
             EngineResponseError: a malformed event or a token-ID violation.
         """
         while True:
-            event = await self.stream.next_event()
-            if isinstance(event, ChunkEvent):
-                self.observe(event)
-                self.held.append(event)
-                facts = event.facts
-                if facts.output or facts.finish or facts.usage:
-                    return
-            elif isinstance(event, ErrorFrameEvent):
-                raise EngineError(f"engine {self.engine.name} reported an error: {event.message()}")
-            else:
+            event = await self.next_chunk()
+            if event is None:
                 raise EngineError(f"engine {self.engine.name} ended its stream without output")
+            self.held.append(event)
+            facts = event.facts
+            if facts.output or facts.finish or facts.usage:
+                return
 
     def take_held(self) -> list[ChunkEvent]:
         """The held events, once."""

@@ -26,7 +26,6 @@ from quart import Response, request
 from narwhal.admission.accounting import TerminalClass, Ticket
 from narwhal.admission.sizing import estimate_prompt_tokens
 from narwhal.errors import (
-    EngineError,
     Expired,
     InvalidRequest,
     NarwhalError,
@@ -38,7 +37,7 @@ from narwhal.protocol.chunks import expose
 from narwhal.protocol.requests import CompletionRequest, Route, parse_request
 from narwhal.protocol.sse import encode_data, encode_done
 from narwhal.router import Router
-from narwhal.upstream.client import ChunkEvent, DoneEvent, ErrorFrameEvent
+from narwhal.upstream.client import ChunkEvent
 from narwhal.upstream.exchange import Exchange, open_exchange
 from narwhal.web.body import read_body
 from narwhal.web.responses import error_response, json_response
@@ -149,17 +148,9 @@ async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, 
     )
     for event in exchange.take_held():
         assembler.feed(event.chunk)
-    while True:
-        upstream = await exchange.stream.next_event()
-        if isinstance(upstream, ChunkEvent):
-            exchange.observe(upstream)
-            assembler.feed(upstream.chunk)
-        elif isinstance(upstream, ErrorFrameEvent):
-            raise EngineError(f"engine {exchange.engine.name} failed: {upstream.message()}")
-        else:
-            if not upstream.clean and not exchange.finished:
-                raise EngineError(f"engine {exchange.engine.name} ended its stream early")
-            return assembler.result()
+    while (chunk := await exchange.next_chunk()) is not None:
+        assembler.feed(chunk.chunk)
+    return assembler.result()
 
 
 async def _relay(
@@ -179,25 +170,19 @@ async def _relay(
             if out and not stream.has_pending():
                 yield b"".join(out)
                 out.clear()
-            upstream = None
-            with trio.move_on_at(deadline):
-                upstream = await stream.next_event()
-            if upstream is None:
+            with trio.move_on_at(deadline) as scope:
+                chunk = await exchange.next_chunk()
+            if scope.cancelled_caught:
                 raise Expired(
                     "The request deadline passed while the response was streaming.",
                     code="request_deadline_expired",
                 )
-            if isinstance(upstream, ErrorFrameEvent):
-                raise EngineError(f"engine {exchange.engine.name} failed: {upstream.message()}")
-            if isinstance(upstream, DoneEvent):
-                if not upstream.clean and not exchange.finished:
-                    raise EngineError(f"engine {exchange.engine.name} ended its stream early")
+            if chunk is None:
                 out.extend(relay.finish())
                 out.append(encode_done())
                 yield b"".join(out)
                 break
-            exchange.observe(upstream)
-            out.extend(relay.frames(upstream))
+            out.extend(relay.frames(chunk))
         exchange.record_outcome(ok=True)
         ticket.finish("completed")
         _record_measurements(router, exchange)
