@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -31,8 +31,6 @@ from narwhal.sim.engine import SimConnectionDropped, SimEngine
 from narwhal.sim.timing import PROFILES, profile
 
 __all__ = ["create_sim_app", "main", "serve_sim"]
-
-_logger = logging.getLogger(__name__)
 
 
 async def _answer(engine: SimEngine) -> Response:
@@ -178,34 +176,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            url: Any = await nursery.start(serve_sim, engine, args.bind)
-            print(
-                f"narwhal sim: {args.dialect} engine serving {args.model!r} "
-                f"({args.profile}, time scale {args.time_scale:g}) at {url}",
-                flush=True,
-            )
+        # Signals arrive through a receiver, not as KeyboardInterrupt: Trio may raise that in
+        # whichever task runs, and Hypercorn swallows an exception in a request task.
+        stop = trio.Event()
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                url = await nursery.start(
+                    partial(serve_sim, engine, args.bind, shutdown_trigger=stop.wait)
+                )
+                print(
+                    f"narwhal sim: {args.dialect} engine serving {args.model!r} "
+                    f"({args.profile}, time scale {args.time_scale:g}) at {url}",
+                    flush=True,
+                )
+                async for _ in signals:
+                    stop.set()
+                    break
 
     try:
         trio.run(run)
-    except KeyboardInterrupt:
-        return 0
+    except OSError as exc:
+        print(f"narwhal sim: cannot listen on {args.bind}: {exc}", file=sys.stderr)
+        return 1
     except BaseExceptionGroup as group:
-        if (
-            group.subgroup(KeyboardInterrupt) is not None
-            and group.subgroup(lambda e: not isinstance(e, (KeyboardInterrupt, BaseExceptionGroup)))
-            is None
-        ):
-            return 0
         refused = group.subgroup(OSError)
         if refused is None:
             raise
-        print(
-            f"narwhal sim: cannot listen on {args.bind}: {refused.exceptions[0]}", file=sys.stderr
-        )
-        return 1
-    except OSError as exc:
-        print(f"narwhal sim: cannot listen on {args.bind}: {exc}", file=sys.stderr)
+        error = refused.exceptions[0]
+        print(f"narwhal sim: cannot listen on {args.bind}: {error}", file=sys.stderr)
         return 1
     return 0
 

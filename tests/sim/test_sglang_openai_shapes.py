@@ -99,6 +99,16 @@ def test_sglang_non_streaming_chat(sglang: SimEngine) -> None:
     assert len(body["choices"][0]["response_token_ids"]) == 3
 
 
+def test_sglang_non_streaming_tool_calls_and_completions(sglang: SimEngine) -> None:
+    message = json_body(chat(sglang, narwhal_sim={"tool_calls": 2}))["choices"][0]["message"]
+    assert [call["index"] for call in message["tool_calls"]] == [0, 1]
+    assert message["content"] is None
+    body = json_body(completion(sglang, return_token_ids=True, logprobs=1, max_tokens=3))
+    choice = body["choices"][0]
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["tokens"]) == 3
+    assert choice["finish_reason"] == "length" and choice["matched_stop"] is None
+
+
 def test_sglang_stop_string_is_matched_stop(sglang: SimEngine) -> None:
     finish = plan_events(chat(sglang, stream=True, stop="END", narwhal_sim={"output_tokens": 2}))[
         -2
@@ -184,7 +194,7 @@ def test_openai_refusal_deltas(openai: SimEngine) -> None:
     events = plan_events(
         chat(openai, stream=True, narwhal_sim={"refusal": "I can't help with that."})
     )
-    role, *refusals, finish, _ = events
+    role, *refusals, _finish, _ = events
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": None, "refusal": ""}
     text = "".join(e["choices"][0]["delta"]["refusal"] for e in refusals)
     assert text == "I can't help with that."
@@ -227,7 +237,7 @@ def test_openai_completions(openai: SimEngine) -> None:
     events = plan_events(
         completion(openai, stream=True, logprobs=1, narwhal_sim={"output_tokens": 2})
     )
-    first, second, finish, done = events
+    first, _second, finish, done = events
     assert list(first) == ["id", "object", "created", "choices", "model", "system_fingerprint"]
     assert list(first["choices"][0]["logprobs"]) == [
         "tokens",
@@ -237,6 +247,26 @@ def test_openai_completions(openai: SimEngine) -> None:
     ]
     assert finish["choices"][0]["text"] == "" and finish["choices"][0]["finish_reason"] == "stop"
     assert done == "[DONE]"
+
+
+def test_openai_completions_usage_and_body(openai: SimEngine) -> None:
+    events = plan_events(
+        completion(
+            openai,
+            stream=True,
+            stream_options={"include_usage": True},
+            narwhal_sim={"output_tokens": 2},
+        )
+    )
+    assert all(e["usage"] is None for e in events[:-2])
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 2
+    body = json_body(completion(openai, logprobs=2, narwhal_sim={"output_tokens": 3}))
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+    assert len(body["choices"][0]["logprobs"]["top_logprobs"][0]) == 2
+    chat_body = json_body(chat(openai, narwhal_sim={"tool_calls": 1, "reasoning_tokens": 2}))
+    message = chat_body["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["type"] == "function"
+    assert chat_body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2
 
 
 def test_openai_errors_use_the_openai_envelope(openai: SimEngine) -> None:

@@ -121,7 +121,7 @@ def test_reasoning_deltas_come_first(engine: SimEngine) -> None:
 def test_tool_calls_in_the_hermes_shape(engine: SimEngine) -> None:
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
     plan = chat(engine, stream=True, tools=tools, narwhal_sim={"tool_calls": 2})
-    role, *chunks, finish, done = plan_events(plan)
+    _role, *chunks, finish, done = plan_events(plan)
     header, args = chunks[0], chunks[1]
     assert skeleton(header) == skeleton(
         captured(CHUNKS["chunks: chat tool-call header delta (hermes parser)"])
