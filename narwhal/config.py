@@ -60,6 +60,14 @@ def _bind(instance: object, attribute: attrs.Attribute[Any], value: str) -> None
         raise ConfigError(f"must be HOST:PORT, got {value!r}")
 
 
+def _profile(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    from narwhal.scheduling.profiles import PROFILES
+
+    if value not in PROFILES:
+        known = ", ".join(repr(name) for name in sorted(PROFILES))
+        raise ConfigError(f"unknown profile {value!r} (known: {known})")
+
+
 def _url(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not value.startswith(("http://", "https://")):
         raise ConfigError(f"must be an http:// or https:// URL, got {value!r}")
@@ -73,6 +81,7 @@ class ServingConfig:
     bind: str = attrs.field(default="127.0.0.1:8000", validator=_bind)
     max_request_bytes: int = attrs.field(default=1_048_576, validator=_positive)
     request_deadline_s: float = attrs.field(default=300.0, validator=_positive)
+    tokenizer: str = ""  # path to a local tokenizer.json; empty: estimate from characters
 
 
 @attrs.frozen
@@ -107,7 +116,7 @@ class EngineConfig:
     url: str = attrs.field(validator=_url)
     dialect: Dialect = "vllm"
     wave: str = "a"
-    profile: str = "h100-llama3-8b"
+    profile: str = attrs.field(default="h100-llama3-8b", validator=_profile)
     token_ids: bool | None = None
     prefill_concurrency: int | None = attrs.field(default=None, validator=_positive)
     decode_concurrency: int | None = attrs.field(default=None, validator=_positive)

@@ -8,19 +8,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import httpx
 import trio
 
 from narwhal.admission.accounting import Accounting, AccountingStatistics
+from narwhal.admission.limits import RetentionLimit, RetentionStatistics
+from narwhal.admission.queue import AdmissionQueue, QueueStatistics
+from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config
+from narwhal.errors import Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics
+from narwhal.scheduling.forecast import PrefillForecast
+from narwhal.scheduling.profiles import get_profile
 from narwhal.upstream.client import EngineClient
 from narwhal.web.metrics import Metrics
 
-__all__ = ["Router", "RouterStatistics"]
+__all__ = ["Router", "RouterState", "RouterStatistics"]
+
+RouterState = Literal["active", "standby", "fenced", "maintenance", "monitoring_degraded"]
 
 
 @attrs.frozen
@@ -31,6 +39,8 @@ class RouterStatistics:
     reason: str | None
     accounting: AccountingStatistics
     engines: tuple[EngineStatistics, ...]
+    retention: RetentionStatistics
+    queue: QueueStatistics
 
     @property
     def ready(self) -> bool:
@@ -76,19 +86,47 @@ class Router:
     ) -> None:
         self.config = config
         transports = transports or {}
+        admission = config.admission
         self.pool = EnginePool(
             Engine(
-                engine, EngineClient(engine, config.upstream, transport=transports.get(engine.name))
+                engine,
+                EngineClient(engine, config.upstream, transport=transports.get(engine.name)),
+                prefill_limit=engine.prefill_concurrency or admission.prefill_concurrency,
+                decode_limit=engine.decode_concurrency or admission.decode_concurrency,
+                forecast=PrefillForecast(get_profile(engine.profile)),
             )
             for engine in config.engines
         )
         self.accounting = Accounting()
-        self.state = "active"
+        self.retention = RetentionLimit(admission.http_retention_limit)
+        self.queue = AdmissionQueue(self.pool, admission.queue_limit)
+        counter = (
+            TokenizerCounter.from_file(config.serving.tokenizer)
+            if config.serving.tokenizer
+            else None
+        )
+        self.sizer = Sizer(counter)
+        self.state: RouterState = "active"
         self.state_reason: str | None = None
         self.metrics = Metrics(self)
 
+    def check_state(self) -> None:
+        """Refuse work unless the router is active.
+
+        Raises:
+            Unavailable: 503 with ``router_<state>`` while standby, fenced, in maintenance or
+                monitoring-degraded.
+        """
+        if self.state != "active":
+            raise Unavailable(
+                f"This router is {self.state.replace('_', '-')} and admits no requests; "
+                "retry shortly.",
+                code=f"router_{self.state}",
+            )
+
     async def start(self, nursery: trio.Nursery) -> None:
-        """Start the engines' joins in ``nursery`` (returns at once)."""
+        """Start the dispatcher and the engines' joins in ``nursery``."""
+        await nursery.start(self.queue.run)
         for engine in self.pool:
             nursery.start_soon(
                 partial(
@@ -99,7 +137,8 @@ class Router:
             )
 
     async def aclose(self) -> None:
-        """Close every engine's connection pool."""
+        """Stop the dispatcher and close every engine's connection pool."""
+        self.queue.close()
         for engine in self.pool:
             await engine.client.aclose()
 
@@ -115,4 +154,6 @@ class Router:
             reason=self.state_reason,
             accounting=self.accounting.statistics(),
             engines=tuple(engine.statistics() for engine in self.pool),
+            retention=self.retention.statistics(),
+            queue=self.queue.statistics(),
         )

@@ -1,15 +1,20 @@
 """``narwhal bench SUBCOMMAND``: the benchmarks' command line.
 
 Exit status: 0 when every check passed (or was skipped), 1 when a check failed, 2 when the
-command line was wrong or a process could not start.
+command line was wrong or a process could not start, 130 when interrupted (Ctrl-C or SIGTERM;
+the benchmark's processes are stopped either way).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 
 import orjson
 
@@ -153,6 +158,31 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C while the benchmark runs, so its processes are stopped too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    """A KeyboardInterrupt, possibly inside (nested) exception groups, and nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(KeyboardInterrupt)
+        return rest is None
+    return isinstance(exc, KeyboardInterrupt)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -238,10 +268,16 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         print(line, file=sys.stderr, flush=True)
 
     try:
-        report = run_overhead(settings, echo=progress)
+        with _terminate_as_interrupt():
+            report = run_overhead(settings, echo=progress)
     except ServiceError as exc:
         print(f"narwhal bench overhead: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        if not _is_interrupt(exc):
+            raise
+        print("narwhal bench overhead: interrupted; its processes are stopped", file=sys.stderr)
+        return 130
     print(report.render())
     if args.output is not None:
         args.output.write_bytes(

@@ -7,11 +7,12 @@ Three layers, from pure to Trio:
   ``data: [DONE]`` arrived (end-to-end latency), how many output events came, and any in-band
   error frame.
 - :func:`percentile` and :class:`LatencySummary` turn samples into the figures reports print.
-- :func:`send_one`, :func:`run_closed_loop` and :func:`run_open_loop` drive requests through one
-  shared :class:`httpx.AsyncClient`. A closed loop keeps ``concurrency`` requests in flight, each
-  worker sending its next request as soon as the previous one finished (the overhead benchmark);
-  an open loop sends at given arrival times whatever the responses do (trace replay), so a slow
-  server builds a queue instead of slowing the load down.
+- :func:`send_one`, :func:`run_closed_loop` and :func:`run_open_loop` drive requests through a
+  :class:`ClientPool` (one connection per request in flight). A closed loop keeps
+  ``concurrency`` requests in flight, each worker sending its next request as soon as the
+  previous one finished (the overhead benchmark); an open loop sends at given arrival times
+  whatever the responses do (trace replay), so a slow server builds a queue instead of slowing
+  the load down.
 
 Timing uses :func:`time.perf_counter` at the moment a read returns, so one read holding several
 events dates them all to that read: the resolution is the client's, the same for every target.
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import ssl
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -32,15 +35,16 @@ import trio
 
 __all__ = [
     "BodyFactory",
+    "ClientPool",
     "LatencySummary",
     "RequestRecord",
     "StreamTimer",
     "chat_body",
-    "make_client",
     "percentile",
     "run_closed_loop",
     "run_open_loop",
     "send_one",
+    "single_connection_client",
 ]
 
 BodyFactory = Callable[[int], bytes]
@@ -286,18 +290,79 @@ class LatencySummary:
 # -- the Trio shell -----------------------------------------------------------------------------
 
 
-def make_client(max_connections: int, *, timeout_s: float = 60.0) -> httpx.AsyncClient:
-    """One client for a whole benchmark: enough pooled connections, no proxies from the
-    environment (the targets are local), a read timeout bounding a stalled stream."""
+def single_connection_client(
+    *, timeout_s: float = 60.0, verify: ssl.SSLContext | bool = True
+) -> httpx.AsyncClient:
+    """A client holding one keep-alive connection, with no proxies from the environment (the
+    targets are local) and a read timeout bounding a stalled stream.
+
+    Pass one ``verify`` context to many clients: httpx otherwise builds (and loads the CA
+    certificates into) a new one for every client.
+    """
     return httpx.AsyncClient(
-        limits=httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=max_connections,
-            keepalive_expiry=30.0,
-        ),
+        verify=verify,
+        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=60.0),
         timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
         trust_env=False,
     )
+
+
+class ClientPool:
+    """Clients of one connection each, lent one per request in flight; use one pool per target.
+
+    Why not one client with a large pool: httpcore's pool walks every connection it holds, and
+    polls each idle socket, whenever a request starts or a response ends. With 64 streams in
+    flight that walk was half of the load generator's CPU, CPU that on a shared machine is taken
+    from the servers being measured. A client that holds one connection and serves one request
+    at a time makes the walk trivial. The most recently returned client is lent first, so in a
+    closed loop exactly ``concurrency`` connections are opened (during warm-up) and stay warm.
+
+    Args:
+        factory: makes a new client (tests pass one over a mock transport).
+        timeout_s: the read timeout of the default factory's clients.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], httpx.AsyncClient] | None = None,
+        *,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if factory is None:
+            context = ssl.create_default_context()
+            factory = partial(single_connection_client, timeout_s=timeout_s, verify=context)
+        self._factory = factory
+        self._idle: list[httpx.AsyncClient] = []
+        self._all: list[httpx.AsyncClient] = []
+
+    @property
+    def size(self) -> int:
+        """Clients created so far."""
+        return len(self._all)
+
+    async def send(self, url: str, body: bytes, index: int) -> RequestRecord:
+        """:func:`send_one` on an idle client (a new one when none is idle)."""
+        if self._idle:
+            client = self._idle.pop()
+        else:
+            client = self._factory()
+            self._all.append(client)
+        try:
+            return await send_one(client, url, body, index)
+        finally:
+            self._idle.append(client)
+
+    async def aclose(self) -> None:
+        """Close every client."""
+        clients, self._all, self._idle = self._all, [], []
+        for client in clients:
+            await client.aclose()
+
+    async def __aenter__(self) -> ClientPool:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def chat_body(
@@ -347,7 +412,7 @@ def _body_code(raw: bytes) -> str:
 
 
 async def run_closed_loop(
-    client: httpx.AsyncClient,
+    clients: ClientPool,
     url: str,
     body_for: BodyFactory,
     *,
@@ -367,7 +432,7 @@ async def run_closed_loop(
 
     async def worker() -> None:
         for index in numbers:  # shared iterator: each number goes to exactly one worker
-            records.append(await send_one(client, url, body_for(index), index))
+            records.append(await clients.send(url, body_for(index), index))
 
     async with trio.open_nursery() as nursery:
         for _ in range(min(concurrency, requests)):
@@ -376,14 +441,13 @@ async def run_closed_loop(
 
 
 async def run_open_loop(
-    client: httpx.AsyncClient,
+    clients: ClientPool,
     url: str,
     body_for: BodyFactory,
     *,
     arrivals_s: Iterable[float],
     max_in_flight: int,
     first_index: int = 0,
-    send: Callable[[httpx.AsyncClient, str, bytes, int], Awaitable[RequestRecord]] = send_one,
 ) -> list[RequestRecord]:
     """Send one request at each arrival time (seconds from the start), whatever the responses do.
 
@@ -399,7 +463,7 @@ async def run_open_loop(
     async def one(index: int) -> None:
         nonlocal in_flight
         try:
-            records.append(await send(client, url, body_for(index), index))
+            records.append(await clients.send(url, body_for(index), index))
         finally:
             in_flight -= 1
 

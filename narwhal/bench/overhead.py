@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -23,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import httpx
 import orjson
 import trio
 
@@ -278,18 +279,34 @@ def _launch(
 async def _measure(
     settings: OverheadSettings, targets: list[_Target], engine: Service | None, echo: Echo
 ) -> list[LevelReport]:
-    max_concurrency = max(level.concurrency for level in settings.levels)
     reports: list[LevelReport] = []
 
     def body_for(index: int) -> bytes:
         return load.chat_body(settings.model, output_tokens=settings.output_tokens, index=index)
 
-    connections = max_concurrency * len(targets) + 8
-    async with load.make_client(connections, timeout_s=settings.request_timeout_s) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        if threading.current_thread() is threading.main_thread():
+            nursery.start_soon(_interrupt_on_sigterm)
+        pools = {
+            target.name: await stack.enter_async_context(
+                load.ClientPool(timeout_s=settings.request_timeout_s)
+            )
+            for target in targets
+        }
         for level in settings.levels:
-            reports.append(await _measure_level(settings, level, targets, engine, client, body_for))
+            reports.append(await _measure_level(settings, level, targets, engine, pools, body_for))
             echo(f"c={level.concurrency}: done")
+        nursery.cancel_scope.cancel()
     return reports
+
+
+async def _interrupt_on_sigterm() -> None:
+    """SIGTERM ends the run like Ctrl-C, through Trio rather than from inside a signal handler
+    (which would leave Trio's state broken), so the processes are stopped on the way out."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            raise KeyboardInterrupt
 
 
 async def _measure_level(
@@ -297,13 +314,13 @@ async def _measure_level(
     level: Level,
     targets: list[_Target],
     engine: Service | None,
-    client: httpx.AsyncClient,
+    pools: dict[str, load.ClientPool],
     body_for: load.BodyFactory,
 ) -> LevelReport:
     concurrency = level.concurrency
     for target in targets:
         await load.run_closed_loop(
-            client,
+            pools[target.name],
             target.url + "/v1/chat/completions",
             body_for,
             concurrency=concurrency,
@@ -319,7 +336,7 @@ async def _measure_level(
             engine_before = None if engine is None else engine.cpu_seconds()
             started, loadgen_before = time.perf_counter(), time.process_time()
             tally.records += await load.run_closed_loop(
-                client,
+                pools[target.name],
                 target.url + "/v1/chat/completions",
                 body_for,
                 concurrency=concurrency,

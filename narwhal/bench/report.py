@@ -409,9 +409,9 @@ def _shared_cpu_note(environment: Mapping[str, Any]) -> str:
 
 _HEADER = (
     f"{'target':<12}{'ok':>6}{'err':>5}"
-    f"{'TTFT p50':>10}{'p99':>8}{'E2E p50':>9}{'p99':>8}"
-    f"{'+TTFT p50':>11}{'p99':>8}{'+E2E p50':>10}{'p99':>8}"
-    f"{'CPU s/1k':>10}{'eng CPU':>9}{'gen CPU':>9}{'RSS MiB':>9}{'req/s':>8}"
+    f"{'TTFT p50':>10}{'p99':>9}{'E2E p50':>9}{'p99':>9}"
+    f"{'+TTFT p50':>11}{'p99':>9}{'+E2E p50':>10}{'p99':>9}"
+    f"{'CPU s/1k':>10}{'eng CPU':>9}{'gen CPU':>9}{'RSS MiB':>9}{'req/s':>7}"
 )
 
 
@@ -426,16 +426,16 @@ def _render_level(level: LevelReport) -> list[str]:
         added = level.added(result.target)
         lines.append(
             f"{result.target:<12}{result.requests - result.errors:>6}{result.errors:>5}"
-            f"{_ms(result.ttft.p50_s):>10}{_ms(result.ttft.p99_s):>8}"
-            f"{_ms(result.e2e.p50_s):>9}{_ms(result.e2e.p99_s):>8}"
+            f"{_ms(result.ttft.p50_s):>10}{_ms(result.ttft.p99_s):>9}"
+            f"{_ms(result.e2e.p50_s):>9}{_ms(result.e2e.p99_s):>9}"
             f"{_ms(_field(added, 'ttft_p50_s'), signed=True):>11}"
-            f"{_ms(_field(added, 'ttft_p99_s'), signed=True):>8}"
+            f"{_ms(_field(added, 'ttft_p99_s'), signed=True):>9}"
             f"{_ms(_field(added, 'e2e_p50_s'), signed=True):>10}"
-            f"{_ms(_field(added, 'e2e_p99_s'), signed=True):>8}"
+            f"{_ms(_field(added, 'e2e_p99_s'), signed=True):>9}"
             f"{_number(result.cpu_s_per_1k, 2):>10}{_number(result.engine_cpu_s_per_1k, 2):>9}"
             f"{_number(result.loadgen_cpu_s_per_1k, 2):>9}"
             f"{_number(result.rss_bytes and result.rss_bytes / _MIB, 1):>9}"
-            f"{_number(result.throughput_rps, 0):>8}"
+            f"{_number(result.throughput_rps, 0):>7}"
         )
     for result in level.results:
         if result.error_kinds:

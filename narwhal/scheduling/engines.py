@@ -8,9 +8,8 @@ returns them (vLLM before 0.10.2 ignores ``return_token_ids``: such an engine is
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal
 
 import attrs
@@ -19,9 +18,10 @@ import trio
 
 from narwhal.config import EngineConfig
 from narwhal.errors import NarwhalError
+from narwhal.scheduling.forecast import PrefillForecast
 from narwhal.upstream.client import ChunkEvent, DoneEvent, EngineClient, ErrorFrameEvent
 
-__all__ = ["Engine", "EnginePool", "EngineStatistics", "TokenAccounting"]
+__all__ = ["Engine", "EnginePool", "EngineStatistics", "Slot", "TokenAccounting"]
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,11 @@ class EngineStatistics:
     token_accounting: TokenAccounting
     prefill: int
     decode: int
+    prefill_limit: int
+    decode_limit: int
     completed: int
     failed: int
+    prefill_scale: float
 
 
 @attrs.define(eq=False)
@@ -53,6 +56,9 @@ class Engine:
 
     config: EngineConfig
     client: EngineClient
+    prefill_limit: int
+    decode_limit: int
+    forecast: PrefillForecast
     state: EngineState = "joining"
     reason: str | None = "joining: waiting for /health and /v1/models"
     token_accounting: TokenAccounting = "unavailable"
@@ -60,6 +66,7 @@ class Engine:
     decode: int = 0
     completed: int = 0
     failed: int = 0
+    pool_changed: Callable[[], None] = lambda: None
 
     @property
     def name(self) -> str:
@@ -70,6 +77,15 @@ class Engine:
     def eligible(self) -> bool:
         """Whether new requests may be placed here."""
         return self.state == "ready"
+
+    @property
+    def can_place(self) -> bool:
+        """Eligible, with a free prefill slot and decode headroom for when the prefill ends."""
+        return (
+            self.eligible
+            and self.prefill < self.prefill_limit
+            and self.prefill + self.decode < self.decode_limit
+        )
 
     @property
     def provides_token_ids(self) -> bool:
@@ -89,8 +105,11 @@ class Engine:
             token_accounting=self.token_accounting,
             prefill=self.prefill,
             decode=self.decode,
+            prefill_limit=self.prefill_limit,
+            decode_limit=self.decode_limit,
             completed=self.completed,
             failed=self.failed,
+            prefill_scale=self.forecast.scale,
         )
 
     async def join(self, model: str, *, retry_interval_s: float) -> None:
@@ -105,6 +124,7 @@ class Engine:
                 continue
             self.state = "ready"
             self.reason = None
+            self.pool_changed()
             log.info("engine %s joined (token_accounting=%s)", self.name, self.token_accounting)
             return
 
@@ -151,19 +171,103 @@ class _ProbeFailed(NarwhalError):
     pass
 
 
+@attrs.define(eq=False)
+class Slot:
+    """A request's place on an engine: prefill until its first output event, then decode.
+
+    Creating the slot takes the prefill slot and records the forecast; the slot is exchanged
+    for a decode slot at the first output event and released once, whatever happens.
+    """
+
+    engine: Engine
+    prompt_tokens: int
+    placed_at: float
+    predicted_first_token_at: float = 0.0
+    phase: Literal["prefill", "decode", "released"] = "prefill"
+    context_tokens: int = 0
+
+    @classmethod
+    def take(cls, engine: Engine, prompt_tokens: int) -> Slot:
+        """Place a request on ``engine`` now."""
+        now = trio.current_time()
+        slot = cls(engine, prompt_tokens, now)
+        slot.predicted_first_token_at = engine.forecast.place(prompt_tokens, now)
+        engine.prefill += 1
+        return slot
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        """Placement to first token, as predicted at placement."""
+        return self.predicted_first_token_at - self.placed_at
+
+    def to_decode(self) -> None:
+        """Exchange the prefill slot for a decode slot (the first output event arrived)."""
+        if self.phase != "prefill":
+            return
+        engine = self.engine
+        engine.prefill -= 1
+        engine.decode += 1
+        self.phase = "decode"
+        self.context_tokens = self.prompt_tokens
+        engine.forecast.first_token(
+            placed_at=self.placed_at,
+            predicted=self.predicted_first_token_at,
+            now=trio.current_time(),
+            tokens=self.prompt_tokens,
+        )
+
+    def generated(self, tokens: int) -> None:
+        """Output tokens arrived: the request's context grew."""
+        if self.phase == "decode" and tokens:
+            self.context_tokens += tokens
+            self.engine.forecast.generated(tokens)
+
+    def release(self) -> None:
+        """Give the slot back (idempotent)."""
+        engine = self.engine
+        if self.phase == "prefill":
+            engine.prefill -= 1
+            engine.forecast.abandon_prefill(trio.current_time())
+        elif self.phase == "decode":
+            engine.decode -= 1
+            engine.forecast.finish_decode(self.context_tokens)
+        else:
+            return
+        self.phase = "released"
+        engine.pool_changed()
+
+
 class EnginePool:
     """The configured engines and the placement among them."""
 
     def __init__(self, engines: Iterable[Engine]) -> None:
         self.engines: Sequence[Engine] = tuple(engines)
-        self._turn = itertools.count()
+        self._changed = trio.Event()
+        for engine in self.engines:
+            engine.pool_changed = self.notify
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Engine]:
         return iter(self.engines)
+
+    def notify(self) -> None:
+        """Something changed (a slot freed, an engine joined): wake whoever waits for room."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        """Wait for the next :meth:`notify`."""
+        await self._changed.wait()
 
     def eligible(self) -> list[Engine]:
         """Engines that may take new work now."""
         return [engine for engine in self.engines if engine.eligible]
+
+    def any_eligible(self, *, need_token_ids: bool = False) -> bool:
+        """Whether some engine is eligible (and provides token IDs, if needed)."""
+        return any(
+            engine.eligible and (engine.provides_token_ids or not need_token_ids)
+            for engine in self.engines
+        )
 
     def any_provides_token_ids(self) -> bool:
         """Whether a configured engine is (or is expected to be) able to return token IDs."""
@@ -173,22 +277,24 @@ class EnginePool:
             for engine in self.engines
         )
 
-    def choose(
-        self, *, exclude: Iterable[Engine] = (), need_token_ids: bool = False
+    def best(
+        self,
+        prompt_tokens: int,
+        *,
+        exclude: Iterable[Engine] = (),
+        need_token_ids: bool = False,
     ) -> Engine | None:
-        """The least-occupied eligible engine, round-robin among equals; ``None`` if none."""
+        """The engine that may take the request now with the earliest predicted first token."""
         excluded = set(exclude)
+        now = trio.current_time()
         best: Engine | None = None
-        best_key: tuple[int, int] | None = None
-        turn = next(self._turn)
-        count = len(self.engines)
-        for offset in range(count):
-            engine = self.engines[(turn + offset) % count]
-            if not engine.eligible or engine in excluded:
+        best_at = 0.0
+        for engine in self.engines:
+            if not engine.can_place or engine in excluded:
                 continue
             if need_token_ids and not engine.provides_token_ids:
                 continue
-            key = (engine.prefill + engine.decode, engine.prefill)
-            if best_key is None or key < best_key:
-                best, best_key = engine, key
+            at = engine.forecast.predict(prompt_tokens, now)
+            if best is None or at < best_at:
+                best, best_at = engine, at
         return best

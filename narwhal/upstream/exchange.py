@@ -11,7 +11,6 @@ The module holds no deadlines: the caller opens the request's cancel scopes arou
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import attrs
 import trio
@@ -19,46 +18,17 @@ import trio
 from narwhal.errors import (
     EngineError,
     EngineResponseError,
-    Unavailable,
     UpstreamFailure,
 )
 from narwhal.protocol.chunks import Exposure
 from narwhal.protocol.requests import CompletionRequest
-from narwhal.scheduling.engines import Engine, EnginePool
+from narwhal.scheduling.engines import Engine, EnginePool, Slot
 from narwhal.upstream.client import ChunkEvent, ErrorFrameEvent, UpstreamStream
 from narwhal.upstream.dialects import upstream_body
 
 __all__ = ["Exchange", "Measurements", "open_exchange"]
 
 log = logging.getLogger(__name__)
-
-Phase = Literal["prefill", "decode", "released"]
-
-
-@attrs.define
-class Slot:
-    """The request's place on its engine: prefill until the first output event, then decode."""
-
-    engine: Engine
-    phase: Phase = "prefill"
-
-    def __attrs_post_init__(self) -> None:
-        self.engine.prefill += 1
-
-    def to_decode(self) -> None:
-        """Exchange the prefill slot for a decode slot."""
-        if self.phase == "prefill":
-            self.engine.prefill -= 1
-            self.engine.decode += 1
-            self.phase = "decode"
-
-    def release(self) -> None:
-        """Give the slot back (idempotent)."""
-        if self.phase == "prefill":
-            self.engine.prefill -= 1
-        elif self.phase == "decode":
-            self.engine.decode -= 1
-        self.phase = "released"
 
 
 @attrs.define
@@ -70,6 +40,8 @@ class Measurements:
     last_output_at: float | None = None
     output_tokens: int = 0
     output_events: int = 0
+    predicted_ttft: float | None = None
+    prompt_tokens_reported: int | None = None
     gaps: list[float] = attrs.field(factory=list)
 
     @property
@@ -99,12 +71,19 @@ class Exchange:
             measured = self.measurements
             if measured.first_output_at is None:
                 measured.first_output_at = now
+                measured.predicted_ttft = self.slot.predicted_first_token_at - measured.arrival
                 self.slot.to_decode()
             elif measured.last_output_at is not None:
                 measured.gaps.append(now - measured.last_output_at)
             measured.last_output_at = now
             measured.output_events += 1
         self.measurements.output_tokens += facts.token_ids
+        self.slot.generated(facts.token_ids or int(facts.output))
+        if facts.usage:
+            usage = event.chunk["usage"]
+            prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            if type(prompt) is int and prompt > 0:
+                self.measurements.prompt_tokens_reported = prompt
         if facts.finish:
             self.finished = True
 
@@ -160,38 +139,46 @@ class Exchange:
             self.engine.failed += 1
 
 
-async def open_exchange(pool: EnginePool, request: CompletionRequest, arrival: float) -> Exchange:
-    """Place ``request``, open its upstream stream, and read until headers may go out.
+async def open_exchange(
+    pool: EnginePool, request: CompletionRequest, slot: Slot, arrival: float
+) -> Exchange:
+    """Open ``request``'s upstream stream on its placement and read until headers may go out.
+
+    Before headers, a failed attempt is retried once, on a different eligible engine with a free
+    prefill slot now; without one, or when the retry fails too, the answer is a 502.
 
     Raises:
-        Unavailable: no engine is eligible.
         EngineRejectedRequest: the engine refused the request (4xx); not retried.
-        UpstreamFailure: both attempts failed (502).
+        UpstreamFailure: both attempts failed, or the first did and no other engine had room.
     """
     tried: list[Engine] = []
     failure: UpstreamFailure | None = None
-    for _ in range(2):
-        engine = pool.choose(exclude=tried, need_token_ids=request.wants_token_ids)
-        if engine is None:
-            break
+    next_slot: Slot | None = slot
+    while next_slot is not None:
+        engine = next_slot.engine
         tried.append(engine)
         try:
-            return await _attempt(engine, request, arrival)
+            return await _attempt(next_slot, request, arrival)
         except (EngineError, EngineResponseError) as exc:
             log.warning("attempt on engine %s failed: %s", engine.name, exc.message)
             engine.failed += 1
             failure = exc
-    if failure is None:
-        raise Unavailable("No engine is eligible to serve this request; retry shortly.")
+        if len(tried) == 2:
+            break
+        other = pool.best(
+            next_slot.prompt_tokens, exclude=tried, need_token_ids=request.wants_token_ids
+        )
+        next_slot = None if other is None else Slot.take(other, slot.prompt_tokens)
+    assert failure is not None
     if isinstance(failure, EngineResponseError):
         raise failure
     raise EngineError(f"The engines failed to answer: {failure.message}")
 
 
-async def _attempt(engine: Engine, request: CompletionRequest, arrival: float) -> Exchange:
+async def _attempt(slot: Slot, request: CompletionRequest, arrival: float) -> Exchange:
+    engine = slot.engine
     token_ids = engine.provides_token_ids
     body, exposure = upstream_body(request, token_ids=token_ids)
-    slot = Slot(engine)
     try:
         stream = await engine.client.open_stream(request.route, body, ids_required=token_ids)
     except BaseException:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import httpx
 from quart import Response, request
 from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from narwhal.config import Config
@@ -25,13 +27,36 @@ from narwhal.errors import (
 )
 from narwhal.router import Router
 from narwhal.web.body import NarwhalRequest
-from narwhal.web.completions import handle_completion
+from narwhal.web.completions import RelayBody, handle_completion
 from narwhal.web.metrics import CONTENT_TYPE
 from narwhal.web.responses import error_response, json_response
 
 __all__ = ["create_app", "get_router"]
 
 log = logging.getLogger(__name__)
+
+
+class NarwhalHTTPConnection(TrioASGIHTTPConnection):
+    """Quart-Trio's HTTP connection, closing a streaming body however the response ends.
+
+    Quart closes a body it started to send; when the client leaves before that, the relay's
+    :class:`~narwhal.web.completions.RelayBody` is closed here instead, so the request's slots
+    and upstream stream are released in every case.
+    """
+
+    async def _send_response(self, send: Any, response: Any) -> None:
+        try:
+            await super()._send_response(send, response)
+        finally:
+            body = getattr(getattr(response, "response", None), "iter", None)
+            if isinstance(body, RelayBody):
+                await body.aclose()
+
+
+class NarwhalApp(QuartTrio):
+    """The Quart-Trio app with :class:`NarwhalHTTPConnection`."""
+
+    asgi_http_class = NarwhalHTTPConnection
 
 
 def get_router(app: QuartTrio) -> Router:
@@ -52,7 +77,7 @@ def create_app(
         transports: optional httpx transports by engine name, in place of the network (the
             in-process simulator for tests and the demo).
     """
-    app = QuartTrio("narwhal")
+    app = NarwhalApp("narwhal")
     app.request_class = NarwhalRequest
     app.config.update(
         RESPONSE_TIMEOUT=None,

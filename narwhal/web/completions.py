@@ -16,19 +16,22 @@ generator) wherever the request is waiting, and the ``finally`` clauses close th
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, cast
 
+import attrs
 import orjson
 import trio
 from quart import Response, request
 
 from narwhal.admission.accounting import TerminalClass, Ticket
-from narwhal.admission.sizing import estimate_prompt_tokens
+from narwhal.admission.predictor import check_budget, project
+from narwhal.admission.queue import Waiter
 from narwhal.errors import (
     Expired,
     InvalidRequest,
     NarwhalError,
+    Unavailable,
     UnsupportedOption,
     UpstreamFailure,
 )
@@ -42,7 +45,7 @@ from narwhal.upstream.exchange import Exchange, open_exchange
 from narwhal.web.body import read_body
 from narwhal.web.responses import error_response, json_response
 
-__all__ = ["handle_completion", "parse_deadline_headers"]
+__all__ = ["RelayBody", "handle_completion", "parse_deadline_headers"]
 
 log = logging.getLogger(__name__)
 
@@ -71,51 +74,108 @@ def parse_deadline_headers(headers: Any, default_s: float) -> float:
     return seconds
 
 
+@attrs.define(eq=False)
+class _Life:
+    """What one request holds, released exactly once however it ends.
+
+    The ticket is finished once (the conservation law), the retention slot given back once,
+    and the upstream exchange, once opened, closed once.
+    """
+
+    router: Router
+    ticket: Ticket
+    arrival: float
+    retained: bool = False
+    exchange: Exchange | None = None
+    handed_over: bool = False  # a streaming body now owns the release
+
+    def finish(self, terminal: TerminalClass, reason: str | None = None) -> None:
+        if self.ticket.finished is None:
+            self.ticket.finish(terminal, reason)
+
+    def fail(self, error: NarwhalError) -> None:
+        self.finish(cast(TerminalClass, error.counted_as), error.code)
+
+    async def close(self, *, default: TerminalClass = "cancelled") -> None:
+        """Release everything; an unfinished ticket is counted as ``default``."""
+        self.finish(default)
+        if self.exchange is not None:
+            exchange, self.exchange = self.exchange, None
+            await exchange.aclose()
+        if self.retained:
+            self.retained = False
+            self.router.retention.release()
+
+
 async def handle_completion(router: Router, route: Route) -> Response:
     """Serve one completion request (both routes); count it exactly once."""
-    arrival = trio.current_time()
-    ticket = router.accounting.offer()
+    life = _Life(router, router.accounting.offer(), trio.current_time())
     try:
-        return await _serve(router, route, ticket, arrival)
+        router.check_state()
+        router.retention.acquire()
+        life.retained = True
+        return await _serve(life, route)
     except NarwhalError as exc:
-        if ticket.finished is None:
-            ticket.finish(cast(TerminalClass, exc.counted_as), exc.code)
+        life.fail(exc)
         return error_response(exc)
     except Exception:
         log.exception("request failed inside the router")
-        if ticket.finished is None:
-            ticket.finish("failed", "internal_error")
+        life.finish("failed", "internal_error")
         return error_response(NarwhalError("Internal router error."))
-    except BaseException:
-        if ticket.finished is None:
-            ticket.finish("cancelled")
-        raise
+    finally:
+        if not life.handed_over:
+            with trio.CancelScope(shield=True):
+                await life.close()
 
 
-async def _serve(router: Router, route: Route, ticket: Ticket, arrival: float) -> Response:
+async def _serve(life: _Life, route: Route) -> Response:
+    router = life.router
     config = router.config
+    admission = config.admission
     # The body is read under the default deadline; the headers may only shorten it, and are
     # checked after the size limit (413 comes first).
-    deadline = arrival + config.serving.request_deadline_s
+    deadline = life.arrival + config.serving.request_deadline_s
     with trio.move_on_at(deadline) as scope:
         raw = await read_body(request, config.serving.max_request_bytes)
-        deadline = arrival + parse_deadline_headers(
+        deadline = life.arrival + parse_deadline_headers(
             request.headers, config.serving.request_deadline_s
         )
         scope.deadline = deadline
         parsed = parse_request(raw, route, config.serving.model)
-        if parsed.wants_token_ids and not router.pool.any_provides_token_ids():
+        need_ids = parsed.wants_token_ids
+        if need_ids and not router.pool.any_provides_token_ids():
             raise UnsupportedOption(
                 "`return_token_ids` was requested but no engine behind this router provides "
                 "token IDs.",
                 param="return_token_ids",
             )
-        ticket.sized = True
-        exchange = await open_exchange(router.pool, parsed, arrival)
+        tokens = router.sizer.prompt_tokens(parsed)
+        life.ticket.sized = True
+        if admission.mode == "predictive":
+            now = trio.current_time()
+            projection = project(
+                router.pool,
+                [(w.prompt_tokens, w.need_token_ids) for w in router.queue.waiting()],
+                tokens,
+                need_token_ids=need_ids,
+                now=now,
+                elapsed_s=now - life.arrival,
+                overhead_s=admission.frontend_overhead_s,
+            )
+            if projection is None:
+                raise _no_engine()
+            check_budget(projection, admission.ttft_budget_s)
+        elif not router.pool.any_eligible(need_token_ids=need_ids):
+            raise _no_engine()
+        waiter = Waiter(tokens, need_ids)
+        router.queue.enqueue(waiter)
+        slot = await router.queue.wait_for_placement(waiter, admission.admission_wait_s)
+        router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
+        life.exchange = exchange = await open_exchange(router.pool, parsed, slot, life.arrival)
         if parsed.stream:
-            # From here the body generator owns the exchange, and closes it.
+            life.handed_over = True
             response = Response(
-                _relay(router, exchange, ticket, deadline),
+                RelayBody(_relay(life, exchange, deadline), life.close),
                 status=200,
                 content_type="text/event-stream",
                 headers=SSE_HEADERS,
@@ -127,11 +187,9 @@ async def _serve(router: Router, route: Route, ticket: Ticket, arrival: float) -
         except UpstreamFailure:
             exchange.record_outcome(ok=False)
             raise
-        finally:
-            await exchange.aclose()
         exchange.record_outcome(ok=True)
-        _record_measurements(router, exchange)
-        ticket.finish("completed")
+        _learn(router, exchange)
+        life.finish("completed")
         return json_response(body)
     raise Expired(
         "The request deadline passed before the response could start.",
@@ -139,12 +197,16 @@ async def _serve(router: Router, route: Route, ticket: Ticket, arrival: float) -
     )
 
 
+def _no_engine() -> Unavailable:
+    return Unavailable("No engine is eligible to serve this request; retry shortly.")
+
+
 async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, Any]:
     """Consume the whole upstream stream into one response body."""
     assembler = Assembler(
         parsed.route,
         expose_token_ids=parsed.wants_token_ids,
-        prompt_tokens_estimate=estimate_prompt_tokens(parsed),
+        prompt_tokens_estimate=exchange.slot.prompt_tokens,
     )
     for event in exchange.take_held():
         assembler.feed(event.chunk)
@@ -153,9 +215,32 @@ async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, 
     return assembler.result()
 
 
-async def _relay(
-    router: Router, exchange: Exchange, ticket: Ticket, deadline: float
-) -> AsyncIterator[bytes]:
+class RelayBody:
+    """A streaming body that releases what its request holds, even if never iterated.
+
+    Quart closes a body it iterated; if the client leaves between the handler's return and the
+    first iteration, nothing would. :class:`~narwhal.web.app.NarwhalHTTPConnection` calls
+    :meth:`aclose` after every response, so the release happens exactly once either way.
+    """
+
+    def __init__(self, frames: AsyncGenerator[bytes, None], release: Any) -> None:
+        self._frames = frames
+        self._release = release
+
+    def __aiter__(self) -> RelayBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._frames.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop the relay and release the request's hold (idempotent)."""
+        with trio.CancelScope(shield=True):
+            await self._frames.aclose()
+            await self._release()
+
+
+async def _relay(life: _Life, exchange: Exchange, deadline: float) -> AsyncGenerator[bytes, None]:
     """The streaming body: held events, then each event as it arrives.
 
     No cancel scope is held across a ``yield``: the deadline is re-entered around each read.
@@ -184,31 +269,28 @@ async def _relay(
                 break
             out.extend(relay.frames(chunk))
         exchange.record_outcome(ok=True)
-        ticket.finish("completed")
-        _record_measurements(router, exchange)
+        life.finish("completed")
+        _learn(life.router, exchange)
     except NarwhalError as exc:
         if isinstance(exc, UpstreamFailure):
             exchange.record_outcome(ok=False)
         log.info("stream ended in-band: %s", exc.message)
-        if ticket.finished is None:
-            ticket.finish(cast(TerminalClass, exc.counted_as), exc.code)
+        life.fail(exc)
         out.extend(relay.finish())
         out.append(encode_data(orjson.dumps(exc.envelope())))
         out.append(encode_done())
         yield b"".join(out)
     except Exception:
         log.exception("relay failed")
-        if ticket.finished is None:
-            ticket.finish("failed", "internal_error")
+        life.finish("failed", "internal_error")
         failure = UpstreamFailure(
             "The router failed while relaying the stream.", code="internal_error"
         )
         yield encode_data(orjson.dumps(failure.envelope()))
         yield encode_done()
     finally:
-        if ticket.finished is None:
-            ticket.finish("cancelled")
-        await exchange.aclose()
+        with trio.CancelScope(shield=True):
+            await life.close()
 
 
 class _StreamRelay:
@@ -252,10 +334,16 @@ class _StreamRelay:
         return [encode_data(orjson.dumps(chunk))]
 
 
-def _record_measurements(router: Router, exchange: Exchange) -> None:
+def _learn(router: Router, exchange: Exchange) -> None:
+    """Feed a completed request's measurements back: metrics and the prompt-size ratio."""
     measured = exchange.measurements
+    metrics = router.metrics
     ttft = measured.ttft
     if ttft is not None:
-        router.metrics.ttft.observe(ttft)
+        metrics.ttft.observe(ttft)
+        if measured.predicted_ttft:
+            metrics.predicted_ttft_error_ratio.observe(ttft / measured.predicted_ttft)
     for gap in measured.gaps:
-        router.metrics.inter_token_gap.observe(gap)
+        metrics.inter_token_gap.observe(gap)
+    if measured.prompt_tokens_reported:
+        router.sizer.learn(exchange.engine.name, exchange.request, measured.prompt_tokens_reported)

@@ -53,6 +53,12 @@ class _RouterCollector(Collector):
         in_flight = GaugeMetricFamily("narwhal_in_flight", "Offered requests not yet ended")
         in_flight.add_metric([], books.in_flight)
         yield in_flight
+        depth = GaugeMetricFamily("narwhal_queue_depth", "Requests waiting for placement")
+        depth.add_metric([], stats.queue.depth)
+        yield depth
+        retained = GaugeMetricFamily("narwhal_http_retention_in_use", "HTTP retention slots held")
+        retained.add_metric([], stats.retention.in_use)
+        yield retained
         occupancy = GaugeMetricFamily(
             "narwhal_engine_occupancy", "Requests per engine and phase", labels=["engine", "phase"]
         )
@@ -83,6 +89,19 @@ class Metrics:
             "narwhal_inter_token_gap_seconds",
             "Time between two output events of one stream",
             buckets=_GAP_BUCKETS,
+            registry=self.registry,
+        )
+
+        self.queue_wait = Histogram(
+            "narwhal_queue_wait_seconds",
+            "Enqueue to placement",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.predicted_ttft_error_ratio = Histogram(
+            "narwhal_predicted_ttft_error_ratio",
+            "Observed over predicted time to first token",
+            buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4),
             registry=self.registry,
         )
 
