@@ -151,3 +151,9 @@ async def run_lifespan(app: Any, *, task_status: trio.TaskStatus[None]) -> None:
                 await to_app.send({"type": "lifespan.shutdown"})
                 await expect("lifespan.shutdown.complete")
             nursery.cancel_scope.cancel()
+
+
+async def until(predicate: Any, *, step: float = 0.001) -> None:
+    """Poll plain state on the Trio clock (in virtual time the polls cost nothing)."""
+    while not predicate():  # noqa: ASYNC110 - the state has no event of its own
+        await trio.sleep(step)

@@ -12,6 +12,7 @@ import trio
 from narwhal.config import AdmissionConfig, ServingConfig
 from narwhal.errors import PredictiveRefusal
 from tests.conftest import MODEL, Fleet, StartFleet
+from tests.support import until
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -46,7 +47,7 @@ async def background(
         results.append(await post(fleet, sim))
 
     nursery.start_soon(run)
-    await trio.sleep(0)  # let it arrive first
+    await trio.lowlevel.checkpoint()  # let it arrive first
 
 
 def assert_refusal(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
@@ -75,8 +76,7 @@ async def test_retention_full_is_a_429_with_retry_after_1(
     assert counters["rejected"] == 1 and counters["unsized_offered"] == 1
     assert fleet.router.retention.in_use == 2
     with trio.fail_after(30):
-        while len(done) < 2:
-            await trio.sleep(0.5)
+        await until(lambda: len(done) == 2)
     fleet.assert_quiescent()
     assert fleet.router.retention.in_use == 0
 
@@ -99,8 +99,7 @@ async def test_queue_full_is_a_429_and_the_queue_counts_live_requests(
     counters = fleet.counters()
     assert counters["rejected"] == 1 and counters["unsized_offered"] == 0
     with trio.fail_after(60):
-        while len(done) < 2:
-            await trio.sleep(0.5)
+        await until(lambda: len(done) == 2)
     assert [r.status_code for r in done] == [200, 200]
     fleet.assert_quiescent()
 
@@ -155,13 +154,12 @@ async def test_queued_requests_are_placed_in_order_when_a_prefill_slot_frees(
 
     start = trio.current_time()
     nursery.start_soon(run, "a", {"output_tokens": 3, "ttft_s": 1.0, "itl_s": 0.01})
-    await trio.sleep(0)
+    await trio.lowlevel.checkpoint()
     nursery.start_soon(run, "b", {"output_tokens": 3, "ttft_s": 0.5, "itl_s": 0.01})
-    await trio.sleep(0)
+    await trio.lowlevel.checkpoint()
     nursery.start_soon(run, "c", {"output_tokens": 3, "ttft_s": 0.5, "itl_s": 0.01})
     with trio.fail_after(10):
-        while len(first_token) < 3:
-            await trio.sleep(0.01)
+        await until(lambda: len(first_token) == 3)
     assert order == ["a", "b", "c"]
     # b is placed at a's first token (1.0 s) and takes its 0.5 s; c waits for b's in turn.
     assert first_token["a"] - start == pytest.approx(1.0, abs=0.02)
@@ -206,8 +204,7 @@ async def test_queued_requests_get_their_503_at_once_when_no_engine_is_eligible(
     fleet.router.pool.notify()
     lost_at = trio.current_time()
     with trio.fail_after(1):
-        while len(queued) < 3:
-            await trio.sleep(0.001)
+        await until(lambda: len(queued) == 3)
     assert trio.current_time() - lost_at < 0.01
     for response in queued:
         assert_refusal(response, 503, "backend_unavailable")
@@ -308,8 +305,7 @@ async def test_disconnect_while_queued_takes_no_slot(
     assert fleet.router.queue.statistics().depth == 0
     assert fleet.counters()["cancelled"] == 1
     with trio.fail_after(10):
-        while not done:
-            await trio.sleep(0.1)
+        await until(lambda: bool(done))
     assert fleet.completions_received() == 1, "the cancelled request never reached an engine"
     fleet.assert_quiescent()
 
