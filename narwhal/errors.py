@@ -25,6 +25,7 @@ Errors and refusals). The web layer translates them to responses in exactly one 
     ├── Unavailable                    503 backend_unavailable / router_*  unavailable
     └── UpstreamFailure                502                              failed
         ├── EngineError                502 engine_error
+        │   └── EngineUnreachable      502 engine_error (the engine leaves placement)
         └── EngineResponseError        502 unsupported_engine_field / malformed_engine_response
 """
 
@@ -38,6 +39,7 @@ __all__ = [
     "EngineError",
     "EngineRejectedRequest",
     "EngineResponseError",
+    "EngineUnreachable",
     "Expired",
     "FrameworkHTTPError",
     "InvalidRequest",
@@ -281,6 +283,10 @@ class EngineError(UpstreamFailure):
     """The engine was unreachable, answered 5xx, sent an error frame or broke its stream."""
 
     default_code = "engine_error"
+
+
+class EngineUnreachable(EngineError):
+    """No connection to the engine could be made: it leaves placement until it rejoins."""
 
 
 class EngineResponseError(UpstreamFailure):

@@ -127,7 +127,8 @@ class Router:
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the dispatcher and the engines' joins in ``nursery``."""
         await nursery.start(self.queue.run)
-        for engine in self.pool:
+
+        def join(engine: Engine) -> None:
             nursery.start_soon(
                 partial(
                     engine.join,
@@ -135,6 +136,10 @@ class Router:
                     retry_interval_s=self.config.monitoring.poll_interval_s,
                 )
             )
+
+        for engine in self.pool:
+            engine.rejoin = join
+            join(engine)
 
     async def aclose(self) -> None:
         """Stop the dispatcher and close every engine's connection pool."""

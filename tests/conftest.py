@@ -17,7 +17,7 @@ from narwhal.sim.engine import SimEngine
 from narwhal.sim.timing import profile
 from narwhal.sim.transport import SimTransport
 from narwhal.web.app import create_app, get_router
-from tests.support import ASGIStreamTransport, run_lifespan
+from tests.support import ASGIStreamTransport, Pluggable, run_lifespan
 
 MODEL = "llama-3.1-8b-instruct"
 
@@ -29,6 +29,7 @@ class Fleet:
     router: Router
     client: httpx.AsyncClient
     sims: dict[str, SimTransport]
+    plugs: dict[str, Pluggable]
     baseline: int = 0
 
     def completions_received(self) -> int:
@@ -106,13 +107,14 @@ async def start_fleet(nursery: trio.Nursery) -> AsyncIterator[StartFleet]:
         }
         for name, values in (directives or {}).items():
             sims[name].engine.set_directives(values)
-        app = create_app(settings, transports=sims)
+        plugs = {name: Pluggable(sim) for name, sim in sims.items()}
+        app = create_app(settings, transports=plugs)
 
         await nursery.start(partial(run_lifespan, app))
         client = httpx.AsyncClient(
             transport=ASGIStreamTransport(app, nursery), base_url="http://narwhal.test"
         )
-        fleet = Fleet(get_router(app), client, sims)
+        fleet = Fleet(get_router(app), client, sims, plugs)
         if wait_ready:
             with trio.fail_after(60):
                 await fleet.router.wait_ready()

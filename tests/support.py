@@ -157,3 +157,16 @@ async def until(predicate: Any, *, step: float = 0.001) -> None:
     """Poll plain state on the Trio clock (in virtual time the polls cost nothing)."""
     while not predicate():  # noqa: ASYNC110 - the state has no event of its own
         await trio.sleep(step)
+
+
+class Pluggable(httpx.AsyncBaseTransport):
+    """Wraps a transport; while ``down``, every connection is refused, like a dead host."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.down = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.inner.handle_async_request(request)

@@ -245,3 +245,32 @@ async def test_an_engine_ignoring_return_token_ids_is_reported_unavailable(
     response = await fleet.chat(stream=True, narwhal_sim={"output_tokens": 3})
     assert response.status_code == 200
     assert "return_token_ids" not in fleet.sims["sim-old"].requests[-1]
+
+
+async def test_an_unreachable_engine_leaves_placement_and_rejoins(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    fleet.plugs["sim-a"].down = True
+    for _ in range(3):  # whichever engine is tried first, the answer comes from sim-b
+        assert (await fleet.chat(narwhal_sim={"output_tokens": 2})).status_code == 200
+    engines = {engine["name"]: engine for engine in fleet.router.statistics().as_json()["engines"]}
+    assert engines["sim-a"]["eligible"] is False
+    assert "unreachable" in engines["sim-a"]["reason"]
+    fleet.plugs["sim-a"].down = False
+    await trio.sleep(fleet.router.config.monitoring.poll_interval_s * 2)
+    assert fleet.router.pool.engines[0].eligible
+
+
+async def test_when_every_engine_is_unreachable_queued_requests_get_503(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet([("sim-a", "vllm")])
+    fleet.plugs["sim-a"].down = True
+    first = await fleet.chat()
+    assert first.status_code == 502  # the attempt that found it dead
+    second = await fleet.chat()
+    assert second.status_code == 503
+    assert second.json()["error"]["code"] == "backend_unavailable"
+    assert (await fleet.client.get("/ready")).status_code == 503
+    fleet.assert_quiescent()

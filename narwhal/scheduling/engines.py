@@ -67,6 +67,7 @@ class Engine:
     completed: int = 0
     failed: int = 0
     pool_changed: Callable[[], None] = lambda: None
+    rejoin: Callable[[Engine], None] = lambda engine: None
 
     @property
     def name(self) -> str:
@@ -91,6 +92,16 @@ class Engine:
     def provides_token_ids(self) -> bool:
         """Whether requests placed here are asked for, and validated by, token IDs."""
         return self.token_accounting == "token_ids"
+
+    def mark_unreachable(self, reason: str) -> None:
+        """No connection could be made: leave placement and probe until the engine is back."""
+        if self.state != "ready":
+            return
+        self.state = "joining"
+        self.reason = f"unreachable: {reason}"
+        log.warning("engine %s left placement: %s", self.name, reason)
+        self.pool_changed()
+        self.rejoin(self)
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot."""

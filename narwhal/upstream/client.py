@@ -16,7 +16,12 @@ import orjson
 import trio
 
 from narwhal.config import EngineConfig, UpstreamConfig
-from narwhal.errors import EngineError, EngineRejectedRequest, EngineResponseError
+from narwhal.errors import (
+    EngineError,
+    EngineRejectedRequest,
+    EngineResponseError,
+    EngineUnreachable,
+)
 from narwhal.protocol.chunks import ChunkFacts, inspect_chunk
 from narwhal.protocol.sse import DONE, SSEDecoder
 
@@ -108,7 +113,8 @@ class EngineClient:
         The caller owns the stream and must close it (``async with``).
 
         Raises:
-            EngineError: the engine is unreachable or answered 5xx.
+            EngineUnreachable: no connection could be made.
+            EngineError: the engine answered 5xx or broke the exchange.
             EngineRejectedRequest: the engine answered 4xx (normalised envelope).
         """
         request = self.http.build_request(
@@ -120,8 +126,10 @@ class EngineClient:
         )
         try:
             response = await self.http.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise EngineUnreachable(f"engine {self.engine.name} is unreachable: {exc!r}") from exc
         except httpx.HTTPError as exc:
-            raise EngineError(f"engine {self.engine.name} is unreachable: {exc!r}") from exc
+            raise EngineError(f"engine {self.engine.name} failed: {exc!r}") from exc
         if response.status_code >= 400:
             try:
                 content = await response.aread()

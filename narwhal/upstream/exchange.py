@@ -18,6 +18,7 @@ import trio
 from narwhal.errors import (
     EngineError,
     EngineResponseError,
+    EngineUnreachable,
     UpstreamFailure,
 )
 from narwhal.protocol.chunks import Exposure
@@ -162,6 +163,8 @@ async def open_exchange(
         except (EngineError, EngineResponseError) as exc:
             log.warning("attempt on engine %s failed: %s", engine.name, exc.message)
             engine.failed += 1
+            if isinstance(exc, EngineUnreachable):
+                engine.mark_unreachable(exc.message)
             failure = exc
         if len(tried) == 2:
             break
