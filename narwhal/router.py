@@ -18,7 +18,7 @@ from narwhal.admission.accounting import Accounting, AccountingStatistics
 from narwhal.admission.limits import RetentionLimit, RetentionStatistics
 from narwhal.admission.queue import AdmissionQueue, QueueStatistics
 from narwhal.admission.sizing import Sizer, TokenizerCounter
-from narwhal.config import Config
+from narwhal.config import Config, ConfigError
 from narwhal.errors import Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics
 from narwhal.scheduling.forecast import PrefillForecast
@@ -100,11 +100,12 @@ class Router:
         self.accounting = Accounting()
         self.retention = RetentionLimit(admission.http_retention_limit)
         self.queue = AdmissionQueue(self.pool, admission.queue_limit)
-        counter = (
-            TokenizerCounter.from_file(config.serving.tokenizer)
-            if config.serving.tokenizer
-            else None
-        )
+        counter = None
+        if config.serving.tokenizer:
+            try:
+                counter = TokenizerCounter.from_file(config.serving.tokenizer)
+            except RuntimeError as exc:
+                raise ConfigError(f"serving.tokenizer: {exc}") from exc
         self.sizer = Sizer(counter)
         self.state: RouterState = "active"
         self.state_reason: str | None = None
