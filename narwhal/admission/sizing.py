@@ -133,7 +133,7 @@ class TokenizerCounter:
             RuntimeError: the ``tokenizers`` library is not installed, or the file is unusable.
         """
         try:
-            from tokenizers import Tokenizer  # type: ignore[import-not-found]
+            from tokenizers import Tokenizer
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise RuntimeError(
                 "serving.tokenizer needs the `tokenizers` package: pip install 'narwhal[tokenizer]'"
