@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from narwhal.bench.load import (
+    ClientPool,
     LatencySummary,
     StreamTimer,
     chat_body,
@@ -176,8 +177,10 @@ async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
         yield part
 
 
-def client_for(engine: Engine) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.MockTransport(engine), base_url="http://engine")
+def clients_for(engine: Engine) -> ClientPool:
+    return ClientPool(
+        lambda: httpx.AsyncClient(transport=httpx.MockTransport(engine), base_url="http://engine")
+    )
 
 
 def body(index: int) -> bytes:
@@ -188,12 +191,14 @@ async def test_closed_loop_sends_each_request_once_with_bounded_concurrency(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     engine = Engine(delay_s=1.0)
-    async with client_for(engine) as client:
+    async with clients_for(engine) as clients:
         with trio.fail_after(60):
             records = await run_closed_loop(
-                client, "/v1/chat/completions", body, concurrency=4, requests=10, first_index=100
+                clients, "/v1/chat/completions", body, concurrency=4, requests=10, first_index=100
             )
         assert trio.current_time() == pytest.approx(3.0)  # ceil(10 / 4) waves of 1 s
+        assert clients.size == 4  # one connection per worker, reused
+    assert clients.size == 0  # closed
     assert sorted(record.index for record in records) == list(range(100, 110))
     assert sorted(engine.seen) == list(range(100, 110))
     assert engine.most_in_flight == 4
@@ -201,8 +206,8 @@ async def test_closed_loop_sends_each_request_once_with_bounded_concurrency(
 
 
 async def test_closed_loop_records_http_errors() -> None:
-    async with client_for(Engine(status=429)) as client:
-        records = await run_closed_loop(client, "/x", body, concurrency=2, requests=3)
+    async with clients_for(Engine(status=429)) as clients:
+        records = await run_closed_loop(clients, "/x", body, concurrency=2, requests=3)
     assert [record.error for record in records] == ["http_429:admission_queue_full"] * 3
 
 
@@ -210,25 +215,27 @@ async def test_closed_loop_records_transport_errors() -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
-        records = await run_closed_loop(client, "http://x/", body, concurrency=1, requests=1)
+    async with ClientPool(
+        lambda: httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+    ) as clients:
+        records = await run_closed_loop(clients, "http://x/", body, concurrency=1, requests=1)
     assert records[0].error == "ConnectError"
 
 
 async def test_closed_loop_refuses_zero_concurrency() -> None:
-    async with client_for(Engine()) as client:
+    async with clients_for(Engine()) as clients:
         with pytest.raises(ValueError):
-            await run_closed_loop(client, "/x", body, concurrency=0, requests=1)
+            await run_closed_loop(clients, "/x", body, concurrency=0, requests=1)
 
 
 async def test_open_loop_keeps_its_schedule_when_the_server_is_slow(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     engine = Engine(delay_s=5.0)
-    async with client_for(engine) as client:
+    async with clients_for(engine) as clients:
         with trio.fail_after(60):
             records = await run_open_loop(
-                client, "/x", body, arrivals_s=[0.0, 1.0, 2.0, 6.0], max_in_flight=2
+                clients, "/x", body, arrivals_s=[0.0, 1.0, 2.0, 6.0], max_in_flight=2
             )
         assert trio.current_time() == pytest.approx(11.0)  # the last one sent at 6 s, on time
     by_index = {record.index: record for record in records}
