@@ -11,7 +11,9 @@ vidur-derived constants of the reference notes:
 * a decode step over ``B`` running sequences holding ``K`` context tokens:
   ``a_d + s_d * B + k_d * K``;
 * a mixed step (chunked prefill beside decodes) costs the decode step plus the prefill chunk's
-  ``b_p`` and ``c_p`` terms.
+  ``b_p`` and ``c_p`` terms; a step that prefills while nothing decodes also pays ``a_p`` once,
+  so a lone prompt that fits one step costs exactly ``prefill_ms`` (the simulator's step loop,
+  :mod:`narwhal.sim.batching`, applies these rules).
 
 Calibration: prefill of 1k / 8k tokens on ``h100-llama3-8b`` is about 28 ms / 309 ms.
 """

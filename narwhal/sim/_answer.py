@@ -1,8 +1,12 @@
 """What the simulated model generates and when (pure).
 
 An :class:`Answer` is dialect-neutral: a list of output tokens (each with an ID, a text piece, a
-kind and the time it is produced, measured from the request's arrival), grouped into the chunks
-the engine will send, plus the finish. :mod:`narwhal.sim._shapes` dresses it in a dialect.
+kind and the output step that produces it), grouped into the chunks the engine will send, plus the
+finish. :mod:`narwhal.sim._shapes` dresses it in a dialect.
+
+Time is counted in the request's output steps, not seconds: step 1 ends the prefill and produces
+token 0, step ``k`` produces token ``k - 1`` (a request with no output still has step 1). The
+engine turns steps into seconds: through a per-request clock, or by waiting for the step loop.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import attrs
 
 from narwhal.sim import _text
 from narwhal.sim._request import Dialect, SimRequest
-from narwhal.sim.timing import TimingModel
 
 __all__ = ["Answer", "Group", "Kind", "Token", "ToolCall", "generate"]
 
@@ -37,7 +40,7 @@ class Token:
         id: its token ID (>= 0).
         text: its text piece.
         kind: what it carries; ``tool_end`` closes the tool calls and shows no text.
-        at_s: when it is produced, in seconds from the request's arrival.
+        step: the output step that produces it (``position + 1``).
         call: the tool call it belongs to (kind ``tool``), else -1.
         opens_call: it is the first token of its tool call.
     """
@@ -46,7 +49,7 @@ class Token:
     id: int
     text: str
     kind: Kind
-    at_s: float
+    step: int
     call: int = -1
     opens_call: bool = False
 
@@ -72,9 +75,9 @@ class Group:
         return self.tokens[0].kind
 
     @property
-    def at_s(self) -> float:
-        """When the chunk can go: when its last token is produced."""
-        return self.tokens[-1].at_s
+    def step(self) -> int:
+        """When the chunk can go: the step that produces its last token."""
+        return self.tokens[-1].step
 
     @property
     def first(self) -> int:
@@ -123,8 +126,7 @@ class Answer:
         calls: the tool calls that got at least one token.
         finish_reason: ``stop``, ``length`` or ``tool_calls``.
         stop_reason: vLLM's ``stop_reason`` (the stop string), else None.
-        first_token_s: when the first output token is produced (TTFT), or the finish when none.
-        end_s: when the last token is produced (the finish).
+        end_step: the step that produces the last token (the finish); 1 when there is none.
     """
 
     request: SimRequest
@@ -138,8 +140,7 @@ class Answer:
     calls: tuple[ToolCall, ...]
     finish_reason: str
     stop_reason: str | None
-    first_token_s: float
-    end_s: float
+    end_step: int
 
     @property
     def output_tokens(self) -> int:
@@ -239,26 +240,6 @@ def _body_pieces(
     return [(word, "content", -1, False) for word in words], [], natural
 
 
-def _times(
-    request: SimRequest, timing: TimingModel, prompt_tokens: int, count: int
-) -> tuple[float, list[float]]:
-    directives = request.directives
-    if directives.ttft_s is not None:
-        first = directives.ttft_s * timing.time_scale
-    else:
-        first = timing.first_token_delay_s(prompt_tokens)
-    times: list[float] = []
-    now = first
-    for position in range(count):
-        if position:
-            if directives.itl_s is not None:
-                now += directives.itl_s * timing.time_scale
-            else:
-                now += timing.inter_token_delay_s(position)
-        times.append(now)
-    return first, times
-
-
 def _group(tokens: list[Token], size: int, first_alone: bool) -> list[Group]:
     groups: list[Group] = []
     current: list[Token] = []
@@ -284,7 +265,6 @@ def generate(
     *,
     dialect: Dialect,
     model: str,
-    timing: TimingModel,
     rng: random.Random,
     created: int,
 ) -> Answer:
@@ -308,14 +288,13 @@ def generate(
     total = natural if request.max_tokens is None else min(natural, request.max_tokens)
     pieces = pieces[:total]
 
-    first, times = _times(request, timing, prompt_tokens, total)
     tokens = [
         Token(
             position=position,
             id=_TOOL_END_ID if kind == "tool_end" else _text.token_id(text),
             text=text,
             kind=kind,
-            at_s=times[position],
+            step=position + 1,
             call=call,
             opens_call=opens,
         )
@@ -346,6 +325,5 @@ def generate(
         calls=tuple(call for call in calls if call.index in emitted_calls),
         finish_reason=finish,
         stop_reason=stop_reason,
-        first_token_s=times[0] if times else first,
-        end_s=times[-1] if times else first,
+        end_step=max(1, len(tokens)),
     )

@@ -2,8 +2,8 @@
 
 The key sets and orders follow ``reference/vllm-0.33-captures/`` (vLLM 0.33 and SGLang 0.5.23)
 and OpenAI's published chunk and response objects. Stream chunks come back as :class:`Chunk`
-values (a JSON object and the time it may be sent) so that faults can be applied before
-serialisation.
+values (a JSON object and the output step after which it may be sent) so that faults can be
+applied before serialisation.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ class Chunk:
     """One stream event before serialisation.
 
     Attributes:
-        at_s: when it may be sent, in seconds from the request's arrival.
+        step: the request's output step after which it may be sent (see :mod:`._answer`).
         obj: the JSON object.
         ids: the output token IDs it carries.
         last_position: the highest output position it carries (or announces), -1 for none.
         finish: it carries the finish_reason.
     """
 
-    at_s: float
+    step: int
     obj: dict[str, Any]
     ids: list[int] = attrs.field(factory=list)
     last_position: int = -1
@@ -157,8 +157,8 @@ def _head(answer: Answer, object_name: str) -> dict[str, Any]:
     }
 
 
-def _role_time(answer: Answer, visible: list[Group]) -> float:
-    return visible[0].at_s if visible else answer.end_s
+def _role_time(answer: Answer, visible: list[Group]) -> int:
+    return visible[0].step if visible else answer.end_step
 
 
 # --- vLLM -------------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
         if last and not request.include_usage:
             obj["system_fingerprint"] = answer.fingerprint
         obj["kv_transfer_params"] = None
-        at = group.at_s if group else answer.end_s
+        at = group.step if group else answer.end_step
         position = group.last if group else -1
         chunks.append(Chunk(at, obj, ids, position, finish=last))
     return chunks
@@ -269,7 +269,7 @@ def _vllm_completions(answer: Answer) -> list[Chunk]:
         if last and not request.include_usage:
             obj["system_fingerprint"] = answer.fingerprint
         obj["kv_transfer_params"] = None
-        at = group.at_s if group else answer.end_s
+        at = group.step if group else answer.end_step
         chunks.append(Chunk(at, obj, ids, group.last if group else -1, finish=last))
     return chunks
 
@@ -298,7 +298,7 @@ def _sglang_chat(answer: Answer) -> list[Chunk]:
     visible = [g for g in answer.groups if g.kind != "tool_end"]
     sent = 0
 
-    def chunk(at: float, delta: dict[str, Any], group: Group | None, **finish: Any) -> Chunk:
+    def chunk(at: int, delta: dict[str, Any], group: Group | None, **finish: Any) -> Chunk:
         choice = {
             "index": 0,
             "delta": delta,
@@ -332,7 +332,7 @@ def _sglang_chat(answer: Answer) -> list[Chunk]:
                     "type": "function",
                     "function": {"name": call.name, "arguments": ""},
                 }
-                opening = chunk(group.at_s, _sglang_delta(tool_calls=[header]), None)
+                opening = chunk(group.step, _sglang_delta(tool_calls=[header]), None)
                 opening.last_position = group.first
                 chunks.append(opening)
             fragment = {
@@ -344,10 +344,10 @@ def _sglang_chat(answer: Answer) -> list[Chunk]:
             delta = _sglang_delta(tool_calls=[fragment])
         else:
             delta = _sglang_delta(content=group.text)
-        chunks.append(chunk(group.at_s, delta, group))
+        chunks.append(chunk(group.step, delta, group))
     sent = answer.output_tokens
     end = chunk(
-        answer.end_s,
+        answer.end_step,
         _sglang_delta(),
         None,
         finish_reason=answer.finish_reason,
@@ -386,7 +386,7 @@ def _sglang_completions(answer: Answer) -> list[Chunk]:
             _usage("sglang", answer, completion, "running") if request.continuous_usage else None
         )
         obj = {**head, "choices": [choice], "usage": usage}
-        at = group.at_s if group else answer.end_s
+        at = group.step if group else answer.end_step
         chunks.append(Chunk(at, obj, ids, group.last if group else -1, finish=last))
     return chunks
 
@@ -412,7 +412,7 @@ def _openai_chat(answer: Answer) -> list[Chunk]:
     # OpenAI never streams reasoning: those tokens take time but show nothing.
     visible = [g for g in answer.groups if g.kind not in ("reasoning", "tool_end")]
 
-    def chunk(at: float, delta: dict[str, Any], group: Group | None, finish: Any = None) -> Chunk:
+    def chunk(at: int, delta: dict[str, Any], group: Group | None, finish: Any = None) -> Chunk:
         choice = {
             "index": 0,
             "delta": delta,
@@ -442,7 +442,7 @@ def _openai_chat(answer: Answer) -> list[Chunk]:
                     "type": "function",
                     "function": {"name": call.name, "arguments": ""},
                 }
-                opening = chunk(group.at_s, {"tool_calls": [header]}, None)
+                opening = chunk(group.step, {"tool_calls": [header]}, None)
                 opening.last_position = group.first
                 chunks.append(opening)
             fragment = {"index": group.call, "function": {"arguments": group.text}}
@@ -451,8 +451,8 @@ def _openai_chat(answer: Answer) -> list[Chunk]:
             delta = {"refusal": group.text}
         else:
             delta = {"content": group.text}
-        chunks.append(chunk(group.at_s, delta, group))
-    end = chunk(answer.end_s, {}, None, answer.finish_reason)
+        chunks.append(chunk(group.step, delta, group))
+    end = chunk(answer.end_step, {}, None, answer.finish_reason)
     end.finish = True
     chunks.append(end)
     return chunks
@@ -463,7 +463,7 @@ def _openai_completions(answer: Answer) -> list[Chunk]:
     chunks = []
     offset = 0
 
-    def chunk(at: float, text: str, group: Group | None, finish: Any = None) -> Chunk:
+    def chunk(at: int, text: str, group: Group | None, finish: Any = None) -> Chunk:
         tokens = group.tokens if group else ()
         choice = {
             "text": text,
@@ -486,9 +486,9 @@ def _openai_completions(answer: Answer) -> list[Chunk]:
         return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
 
     for group in answer.groups:
-        chunks.append(chunk(group.at_s, group.text, group))
+        chunks.append(chunk(group.step, group.text, group))
         offset += len(group.text)
-    end = chunk(answer.end_s, "", None, answer.finish_reason)
+    end = chunk(answer.end_step, "", None, answer.finish_reason)
     end.finish = True
     chunks.append(end)
     return chunks
@@ -539,7 +539,7 @@ def stream_chunks(dialect: Dialect, answer: Answer) -> list[Chunk]:
     chunks = _STREAMS[dialect, request.route](answer)
     if request.include_usage:
         object_name = "chat.completion.chunk" if request.route == "chat" else "text_completion"
-        chunks.append(Chunk(answer.end_s, _USAGE_CHUNKS[dialect](answer, object_name)))
+        chunks.append(Chunk(answer.end_step, _USAGE_CHUNKS[dialect](answer, object_name)))
     return chunks
 
 

@@ -1,11 +1,42 @@
 """The simulated inference engine: pure planning, and the small async part that paces a plan.
 
 :meth:`SimEngine.plan` turns a completion request into a :class:`SimPlan`: an immediate error
-in the dialect's shape, or timed frames (``(delay_s, bytes)``) that make the SSE stream, or, when
-``stream`` is false, one JSON body in the dialect's shape sent when the generation is over. The
-plan is deterministic from the engine's seed and the request body. :class:`SimStream` plays a plan
-in Trio time (virtual under ``trio.testing.MockClock``); the in-process transport
-(:mod:`narwhal.sim.transport`) and the HTTP server (:mod:`narwhal.sim.server`) both use it.
+in the dialect's shape, or frames that make the SSE stream, or, when ``stream`` is false, one
+JSON body in the dialect's shape sent when the generation is over. The plan is deterministic from
+the engine's seed and the request body. :class:`SimStream` plays a plan in Trio time (virtual
+under ``trio.testing.MockClock``); the in-process transport (:mod:`narwhal.sim.transport`) and the
+HTTP server (:mod:`narwhal.sim.server`) both use it.
+
+When things happen. Each frame goes out after an *output step* of its request (step 1 ends the
+prefill and yields the first token, step ``k`` yields token ``k - 1``; :attr:`Frame.step`), and
+the engine's timing model decides when steps end:
+
+* Under a :class:`~narwhal.sim.timing.StepTiming` (the GPU profiles), the engine runs a
+  continuous-batching step loop (:mod:`narwhal.sim.batching` has the rules): a request joins the
+  FCFS waiting queue when its stream starts, is admitted into the running batch (at most
+  ``max_num_seqs``) when its prompt plus its whole output fits in the free KV, is prefilled in
+  chunks sharing each step's ``max_num_batched_tokens`` with the decodes (one token each), then
+  decodes one token a step. A step costs ``decode_step_ms(B, K)`` plus ``prefill_chunk_ms`` for
+  each chunk, plus ``prefill_base_ms`` when it prefills and nothing decodes, times the time
+  scale, the seeded jitter and the run-time slowdown (:meth:`SimEngine.set_slowdown`). A
+  request's first token comes out at the end of the step that completes its prefill, each later
+  token at the end of each following step; its frames go out then. A stream that ends early
+  leaves the batch and frees its KV at once. The loop is a Trio system task started on the first
+  request of each Trio run; with nothing to do it waits on an event, so the autojump clock can
+  jump.
+* Under a per-request model (:class:`~narwhal.sim.timing.LinearTiming`, e.g. ``zero``), and for
+  any request with a ``ttft_s`` or ``itl_s`` directive, the plan fixes each step's time when it
+  is made (:attr:`Frame.delay_s`), whatever else runs; the slowdown multiplies those delays as
+  they are played. Such requests do not enter the batch (they count as running while their
+  stream is open).
+
+:attr:`Frame.delay_s` is always filled, from the per-request clock (for a step-model request,
+the one of a request alone on an idle engine), so :attr:`SimPlan.duration_s` reads the same.
+
+Run-time switches, as methods and as routes of every shell: ``POST /sim/directives`` (a JSON
+object: the engine-wide directives, :meth:`SimEngine.set_directives`), ``POST /sim/slowdown``
+(``{"factor": 2.0}``: step and frame times are multiplied by 2 from now on,
+:meth:`SimEngine.set_slowdown`) and ``GET /sim/state`` (:meth:`SimEngine.statistics` as JSON).
 
 Dialects (``reference/vllm-0.33-captures/``): ``vllm`` (0.33: finish on the last token's chunk,
 ``token_ids`` and ``prompt_token_ids`` with ``return_token_ids``, ``reasoning`` deltas, hermes
@@ -43,7 +74,8 @@ whose ``param`` is ``narwhal_sim.<key>``.
     Tokens per chunk from the first one on (any dialect), overriding ``stream_interval``.
 ``ttft_s: float``, ``itl_s: float``
     Override the timing model's first-token delay and inter-token gap for this request (still
-    multiplied by the time scale).
+    multiplied by the time scale). Either one takes the request out of the step loop: its timing
+    is fixed per request, the other gap coming from the model's answer for an idle engine.
 ``prompt_tokens: int``
     Force the prompt's size (usage, prefill time and ``prompt_token_ids``).
 ``ignore_token_ids: bool``
@@ -63,7 +95,8 @@ whose ``param`` is ``narwhal_sim.<key>``.
     * ``non_json``: a ``data:`` line that is not JSON before that chunk (the stream goes on).
     * ``truncate``: the stream ends there, no finish and no ``[DONE]``.
     * ``no_done``: everything but the ``[DONE]``.
-    * ``stall``: wait ``stall_s`` more before that chunk.
+    * ``stall``: wait ``stall_s`` more before that chunk (the engine goes on generating: in the
+      step loop, the request's tokens are made on time and only its delivery waits).
     * ``drop``: the connection breaks there (the transport raises
       ``httpx.RemoteProtocolError``; the server aborts the connection).
     * ``unsupported_field``: the chunk's delta (completions: choice) carries
@@ -72,8 +105,10 @@ whose ``param`` is ``narwhal_sim.<key>``.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, Literal, NamedTuple
 
 import attrs
@@ -90,7 +125,8 @@ from narwhal.sim._request import (
     parse_request,
     validation_error,
 )
-from narwhal.sim.timing import PROFILES, TimingModel
+from narwhal.sim._steps import StepLoop
+from narwhal.sim.timing import PROFILES, StepTiming, TimingModel
 
 __all__ = [
     "DEFAULT_CREATED",
@@ -108,6 +144,11 @@ DEFAULT_CREATED = 1767225600
 
 _ROUTES: Mapping[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _INFO_ROUTES = frozenset({"/health", "/v1/models", "/metrics"})
+_ADMIN_ROUTES: Mapping[str, str] = {
+    "/sim/directives": "POST",
+    "/sim/slowdown": "POST",
+    "/sim/state": "GET",
+}
 _SSE_HEADERS = (("content-type", "text/event-stream; charset=utf-8"),)
 _JSON_HEADERS = (("content-type", "application/json"),)
 _METRICS_HEADERS = (("content-type", "text/plain; version=0.0.4; charset=utf-8"),)
@@ -138,10 +179,21 @@ _BUSY = SimFailure(
 
 
 class Frame(NamedTuple):
-    """A piece of a response body and the time to wait before sending it."""
+    """A piece of a response body and when it may be sent.
+
+    Attributes:
+        delay_s: the wait from the previous piece (the first: from the response head) on the
+            plan's per-request clock; what a per-request plan sleeps.
+        data: the bytes (empty: the frame only carries time).
+        step: the request's output step after which it may go (0: none); what a batched plan
+            waits for.
+        hold_s: extra wait after that step (a stall), included in ``delay_s``.
+    """
 
     delay_s: float
     data: bytes
+    step: int = 0
+    hold_s: float = 0.0
 
 
 @attrs.frozen
@@ -155,6 +207,9 @@ class SimPlan:
             from the response head). A frame with empty data only carries time.
         head_delay_s: the wait before the response head (a non-streaming answer waits for the
             whole generation; streams and errors start at once).
+        head_step: the output step the head waits for (0: none), as :attr:`Frame.step`.
+        head_hold_s: extra wait after that step (a stall), included in ``head_delay_s``.
+        batched: the engine's step loop times it (frames wait for steps, not delays).
         drop: after the frames, the connection breaks instead of ending.
         completion: it answers a completion route (counted as a stream by the shells).
         prompt_tokens: the prompt's size (0 for errors and info routes).
@@ -165,6 +220,9 @@ class SimPlan:
     headers: tuple[tuple[str, str], ...]
     frames: tuple[Frame, ...]
     head_delay_s: float = 0.0
+    head_step: int = 0
+    head_hold_s: float = 0.0
+    batched: bool = False
     drop: bool = False
     completion: bool = False
     prompt_tokens: int = 0
@@ -182,7 +240,10 @@ class SimPlan:
 
     @property
     def duration_s(self) -> float:
-        """Head delay plus every frame delay: when the last byte goes (inf for a stall)."""
+        """Head delay plus every frame delay: when the last byte goes (inf for a stall).
+
+        For a batched plan, this is the time alone on an idle engine.
+        """
         return self.head_delay_s + sum(frame.delay_s for frame in self.frames)
 
 
@@ -200,18 +261,27 @@ StreamState = Literal["open", "completed", "closed_early", "dropped"]
 class SimStream:
     """Plays a :class:`SimPlan` in Trio time; an async iterator over body pieces.
 
-    Zero delays are not slept (so a zero-delay engine costs no scheduler round trips). The
-    stream ends exactly once, in one of the :data:`StreamState` outcomes: ``completed`` (every
-    piece was read), ``closed_early`` (closed with pieces unread), ``dropped`` (the plan broke the
-    connection); each ``on_end`` callback then gets the outcome.
+    A batched plan's frames wait for the request's output steps (``progress``, from the
+    engine's step loop); the others sleep their delays, times ``pace()`` (the engine's
+    slowdown). Zero delays are not slept (so a zero-delay engine costs no scheduler round trips).
+    The stream ends exactly once, in one of the :data:`StreamState` outcomes: ``completed``
+    (every piece was read), ``closed_early`` (closed with pieces unread), ``dropped`` (the plan
+    broke the connection); each ``on_end`` callback then gets the outcome.
     """
 
     def __init__(
-        self, plan: SimPlan, on_end: list[Callable[[StreamState], None]] | None = None
+        self,
+        plan: SimPlan,
+        on_end: list[Callable[[StreamState], None]] | None = None,
+        *,
+        progress: Callable[[int], Awaitable[None]] | None = None,
+        pace: Callable[[], float] | None = None,
     ) -> None:
         self.plan = plan
         self.state: StreamState = "open"
         self._on_end = on_end or []
+        self._progress = progress
+        self._pace = pace
         self._index = 0
 
     async def wait_head(self) -> None:
@@ -220,13 +290,13 @@ class SimStream:
         Raises:
             SimConnectionDropped: the connection breaks before any response.
         """
+        plan = self.plan
         try:
-            if self.plan.head_delay_s > 0:
-                await trio.sleep(self.plan.head_delay_s)
+            await self._wait(plan.head_delay_s, plan.head_step, plan.head_hold_s)
         except BaseException:
             self.close()
             raise
-        if self.plan.drop and not self.plan.frames:
+        if plan.drop and not plan.frames:
             self._end("dropped")
             raise SimConnectionDropped("the simulated engine broke the connection")
 
@@ -236,12 +306,13 @@ class SimStream:
     async def __anext__(self) -> bytes:
         frames = self.plan.frames
         while self.state == "open" and self._index < len(frames):
-            delay, data = frames[self._index]
-            if delay > 0:
-                await trio.sleep(delay)
+            frame = frames[self._index]
+            await self._wait(frame.delay_s, frame.step, frame.hold_s)
+            if self.state != "open":
+                break
             self._index += 1
-            if data:
-                return data
+            if frame.data:
+                return frame.data
         if self.state != "open":
             raise StopAsyncIteration
         if self.plan.drop:
@@ -268,6 +339,14 @@ class SimStream:
         """Async form of :meth:`close` (what Quart and httpx call)."""
         self.close()
 
+    async def _wait(self, delay_s: float, step: int, hold_s: float) -> None:
+        if self._progress is not None:
+            await self._progress(step)
+            if hold_s > 0:
+                await trio.sleep(hold_s)
+        elif delay_s > 0:
+            await trio.sleep(delay_s if self._pace is None else delay_s * self._pace())
+
     def _end(self, state: StreamState) -> None:
         self.state = state
         for callback in self._on_end:
@@ -281,10 +360,16 @@ class SimEngineStatistics:
     Attributes:
         requests: completion requests planned.
         errors: of those, answered with an HTTP error.
-        running: completion responses being sent now (vLLM's ``num_requests_running``).
-        waiting: requests queued (always 0 for a timing model without a queue).
-        kv_tokens: prompt and output tokens of the running requests.
+        running: requests being generated (vLLM's ``num_requests_running``): in the step
+            loop's batch, plus the per-request-timed responses being sent.
+        waiting: requests queued for the batch (vLLM's ``num_requests_waiting``).
+        prefilling: of the running requests in the batch, those still prefilling.
+        kv_tokens: KV held: the batch's reservations (prompt plus whole output of each running
+            request) plus the prompt and output tokens of the per-request-timed responses.
+        kv_capacity_tokens: the KV capacity.
         kv_cache_usage: ``kv_tokens`` over the KV capacity, at most 1.
+        steps: steps the step loop has run (0 without one).
+        slowdown: the factor set by :meth:`SimEngine.set_slowdown`.
         completed: streams the reader received to the end.
         closed_early: streams the reader closed before the end.
         dropped: streams whose connection the plan broke.
@@ -294,11 +379,28 @@ class SimEngineStatistics:
     errors: int
     running: int
     waiting: int
+    prefilling: int
     kv_tokens: int
+    kv_capacity_tokens: int
     kv_cache_usage: float
+    steps: int
+    slowdown: float
     completed: int
     closed_early: int
     dropped: int
+
+
+_PER_REQUEST_KV_CAPACITY = 262144
+
+
+def _admin_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        raise SimFailure(400, "the body must be a JSON object", "BadRequestError", None)
+    return body
 
 
 def _default_timing(timing: TimingModel | None) -> TimingModel:
@@ -324,10 +426,12 @@ class SimEngine:
     Attributes:
         model: the model name it serves (another ``model`` in a request is a 404).
         dialect: ``vllm``, ``sglang`` or ``openai``: the response shapes.
-        timing: how long things take; default the ``h100-llama3-8b`` profile.
+        timing: how long things take; default the ``h100-llama3-8b`` profile. A
+            :class:`~narwhal.sim.timing.StepTiming` runs the continuous-batching step loop.
         seed: with the request body, decides every generated answer.
         name: a label for logs and tests.
-        kv_capacity_tokens: KV-cache capacity in tokens, for ``vllm:kv_cache_usage_perc``.
+        kv_capacity_tokens: KV-cache capacity in tokens; default the step profile's (262144
+            for a per-request timing model, where it only scales ``vllm:kv_cache_usage_perc``).
     """
 
     model: str
@@ -337,13 +441,23 @@ class SimEngine:
     timing: TimingModel = attrs.field(default=None, converter=_default_timing)
     seed: int = 0
     name: str = "sim"
-    kv_capacity_tokens: int = attrs.field(default=262144, validator=attrs.validators.gt(0))
+    kv_capacity_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+    )
     _directives: Mapping[str, Any] = attrs.field(init=False, factory=dict)
     _requests: int = attrs.field(init=False, default=0)
     _errors: int = attrs.field(init=False, default=0)
     _running: int = attrs.field(init=False, default=0)
     _kv_tokens: int = attrs.field(init=False, default=0)
     _outcomes: dict[str, int] = attrs.field(init=False, factory=dict)
+    _slowdown: float = attrs.field(init=False, default=1.0)
+    _steps: StepLoop | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.timing, StepTiming):
+            self._steps = StepLoop(
+                self.timing, kv_capacity_tokens=self.kv_capacity_tokens, name=self.name
+            )
 
     # --- configuration ------------------------------------------------------------------------
 
@@ -366,12 +480,40 @@ class SimEngine:
         """The engine-wide directives (see :meth:`set_directives`)."""
         return dict(self._directives)
 
+    def set_slowdown(self, factor: float) -> None:
+        """Multiply simulated durations by ``factor`` from now on (1 restores the profile).
+
+        In the step loop it multiplies each step's time from the next step on; for
+        per-request-timed responses, each frame's delay as it is played (stalls included).
+
+        Raises:
+            ValueError: ``factor`` is not a finite number > 0.
+        """
+        number = isinstance(factor, int | float) and not isinstance(factor, bool)
+        if not (number and 0 < factor < math.inf):
+            raise ValueError(f"the slowdown factor must be a number > 0, got {factor!r}")
+        self._slowdown = float(factor)
+        if self._steps is not None:
+            self._steps.slowdown = self._slowdown
+
+    @property
+    def slowdown(self) -> float:
+        """The factor set by :meth:`set_slowdown`."""
+        return self._slowdown
+
     # --- pure planning ------------------------------------------------------------------------
 
     def respond(
         self, method: str, path: str, raw: bytes = b"", *, created: int | None = None
     ) -> SimPlan:
-        """Answer any HTTP request: the info routes, the completion routes, 404 and 405."""
+        """Answer any HTTP request: the info, admin and completion routes, 404 and 405.
+
+        The admin routes (``/sim/...``, see the module doc) act on the engine at once.
+        """
+        if path in _ADMIN_ROUTES:
+            if method != _ADMIN_ROUTES[path] and not (method == "HEAD" and path == "/sim/state"):
+                return self._not_found(method, path, 405)
+            return self._admin(path, raw)
         if path in _ROUTES:
             if method != "POST":
                 return self._not_found(method, path, 405)
@@ -443,13 +585,15 @@ class SimEngine:
             request,
             dialect=self.dialect,
             model=self.model,
-            timing=self.timing,
             rng=random.Random(_seed_material(self.seed, path, body)),
             created=DEFAULT_CREATED if created is None else created,
         )
+        overridden = directives.ttft_s is not None or directives.itl_s is not None
+        batched = self._steps is not None and not overridden
+        clock = self._clock(answer)
         if request.stream:
-            return self._stream_plan(answer)
-        return self._body_plan(answer)
+            return self._stream_plan(answer, clock, batched)
+        return self._body_plan(answer, clock, batched)
 
     def models_body(self, *, created: int | None = None) -> bytes:
         """The ``/v1/models`` answer: an OpenAI list holding the one model."""
@@ -489,9 +633,24 @@ class SimEngine:
     def stream(
         self, plan: SimPlan, on_end: Callable[[StreamState], None] | None = None
     ) -> SimStream:
-        """A :class:`SimStream` playing ``plan``, counted as running until it ends."""
+        """A :class:`SimStream` playing ``plan``; a completion counts until it ends.
+
+        A batched plan joins the step loop's queue now; its stream ending takes it out of the
+        batch (if it is still there) and frees its KV.
+        """
         callbacks: list[Callable[[StreamState], None]] = []
-        if plan.completion:
+        progress: Callable[[int], Awaitable[None]] | None = None
+        if plan.batched and self._steps is not None:
+            steps = self._steps
+            seq = steps.submit(plan.prompt_tokens, plan.output_tokens)
+            progress = partial(steps.wait_for, seq)
+
+            def left(state: StreamState) -> None:
+                steps.abort(seq)
+                self._outcomes[state] = self._outcomes.get(state, 0) + 1
+
+            callbacks.append(left)
+        elif plan.completion:
             tokens = plan.prompt_tokens + plan.output_tokens
             self._running += 1
             self._kv_tokens += tokens
@@ -504,21 +663,70 @@ class SimEngine:
             callbacks.append(finished)
         if on_end is not None:
             callbacks.append(on_end)
-        return SimStream(plan, callbacks)
+        return SimStream(plan, callbacks, progress=progress, pace=self._pace)
 
     def statistics(self) -> SimEngineStatistics:
-        """A snapshot of the engine's counters."""
+        """A snapshot of the engine's counters and of its batch."""
+        running, kv_tokens = self._running, self._kv_tokens
+        waiting = prefilling = steps = 0
+        capacity = self.kv_capacity_tokens or _PER_REQUEST_KV_CAPACITY
+        if self._steps is not None:
+            batch = self._steps.batcher.statistics()
+            running += batch.running
+            kv_tokens += batch.kv_tokens
+            waiting, prefilling, steps = batch.waiting, batch.prefilling, batch.steps
+            capacity = batch.kv_capacity_tokens
         return SimEngineStatistics(
             requests=self._requests,
             errors=self._errors,
-            running=self._running,
-            waiting=0,
-            kv_tokens=self._kv_tokens,
-            kv_cache_usage=min(1.0, self._kv_tokens / self.kv_capacity_tokens),
+            running=running,
+            waiting=waiting,
+            prefilling=prefilling,
+            kv_tokens=kv_tokens,
+            kv_capacity_tokens=capacity,
+            kv_cache_usage=min(1.0, kv_tokens / capacity),
+            steps=steps,
+            slowdown=self._slowdown,
             completed=self._outcomes.get("completed", 0),
             closed_early=self._outcomes.get("closed_early", 0),
             dropped=self._outcomes.get("dropped", 0),
         )
+
+    def _pace(self) -> float:
+        return self._slowdown
+
+    # --- admin routes -------------------------------------------------------------------------
+
+    def _admin(self, path: str, raw: bytes) -> SimPlan:
+        try:
+            if path == "/sim/directives":
+                self._set_directives_from(raw)
+            elif path == "/sim/slowdown":
+                self._set_slowdown_from(raw)
+        except SimFailure as failure:
+            return _immediate(400, _shapes.error_body(self.dialect, failure), _JSON_HEADERS)
+        state = {
+            "name": self.name,
+            "model": self.model,
+            **attrs.asdict(self.statistics()),
+            "directives": dict(self._directives),
+        }
+        return _immediate(200, orjson.dumps(state), _JSON_HEADERS)
+
+    def _set_directives_from(self, raw: bytes) -> None:
+        body = _admin_body(raw)
+        try:
+            self.set_directives(body)
+        except ValueError as exc:
+            param, _, message = str(exc).partition(": ")
+            raise SimFailure(400, message, "BadRequestError", param) from None
+
+    def _set_slowdown_from(self, raw: bytes) -> None:
+        factor: Any = _admin_body(raw).get("factor")  # any JSON value: set_slowdown checks it
+        try:
+            self.set_slowdown(factor)
+        except ValueError as exc:
+            raise SimFailure(400, str(exc), "BadRequestError", "factor") from None
 
     # --- plans --------------------------------------------------------------------------------
 
@@ -541,15 +749,34 @@ class SimEngine:
             return validation_error("missing", f"body.{field}", "Field required", {"": None})
         return SimFailure(400, "bad request (narwhal_sim fault http_400)", "BadRequestError", None)
 
-    def _stream_plan(self, answer: Answer) -> SimPlan:
+    def _clock(self, answer: Answer) -> list[float]:
+        """When each output step ends on the per-request clock (``clock[0]`` is the arrival)."""
+        directives = answer.request.directives
+        timing = self.timing
+        scale = timing.time_scale
+        prompt = answer.prompt_tokens
+        if directives.ttft_s is not None:
+            now = directives.ttft_s * scale
+        else:
+            now = timing.first_token_delay_s(prompt)
+        clock = [0.0, now]
+        for position in range(1, answer.end_step):
+            if directives.itl_s is not None:
+                now += directives.itl_s * scale
+            else:
+                now += timing.inter_token_delay_s(position, prompt_tokens=prompt)
+            clock.append(now)
+        return clock
+
+    def _stream_plan(self, answer: Answer, clock: list[float], batched: bool) -> SimPlan:
         chunks = _shapes.stream_chunks(self.dialect, answer)
         directives = answer.request.directives
         fault = directives.fault
         if fault in _TOKEN_FAULTS or fault in _FIELD_FAULTS:
             _modify_chunk(chunks[_modified_index(chunks, directives.fault_at)], fault)
-        timed = [(chunk.at_s, _sse(chunk.obj)) for chunk in chunks]
+        timed = [(chunk.step, _sse(chunk.obj)) for chunk in chunks]
         point = _fault_index(chunks, directives.fault_at)
-        at = chunks[min(point, len(chunks) - 1)].at_s
+        at = chunks[min(point, len(chunks) - 1)].step
         done, drop = True, False
         if fault == "error_frame":
             timed = [*timed[:point], (at, _shapes.error_frame(self.dialect, _INTERNAL_ERROR))]
@@ -562,32 +789,30 @@ class SimEngine:
             done = False
         if done:
             timed.append((timed[-1][0], _DONE))
-        frames = _relative(timed)
-        if fault == "stall":
-            delay, data = frames[point]
-            frames[point] = Frame(delay + directives.stall_s, data)
+        stall = point if fault == "stall" else None
         return SimPlan(
             status=200,
             headers=_SSE_HEADERS,
-            frames=tuple(frames),
+            frames=_frames(timed, clock, stall, directives.stall_s),
+            batched=batched,
             drop=drop,
             completion=True,
             prompt_tokens=answer.prompt_tokens,
             output_tokens=answer.output_tokens,
         )
 
-    def _body_plan(self, answer: Answer) -> SimPlan:
+    def _body_plan(self, answer: Answer, clock: list[float], batched: bool) -> SimPlan:
         directives = answer.request.directives
         fault = directives.fault
         body = _shapes.response_body(self.dialect, answer)
-        head_delay = answer.end_s
+        head_step, hold = answer.end_step, 0.0
         status = 200
         if fault in _TOKEN_FAULTS or fault in _FIELD_FAULTS:
             _modify_body(body, fault, answer, self.dialect)
         data = orjson.dumps(body)
         drop = False
         if fault in ("error_frame", "truncate", "drop"):
-            head_delay = _time_at(answer, directives.fault_at)
+            head_step = _step_at(answer, directives.fault_at)
             if fault == "error_frame":
                 status, data = 500, _shapes.error_body(self.dialect, _INTERNAL_ERROR)
             elif fault == "truncate":
@@ -597,12 +822,15 @@ class SimEngine:
         elif fault == "non_json":
             data = b"{this is not json"
         elif fault == "stall":
-            head_delay += directives.stall_s
+            hold = directives.stall_s
         return SimPlan(
             status=status,
             headers=_JSON_HEADERS,
-            frames=() if drop else (Frame(0.0, data),),
-            head_delay_s=head_delay,
+            frames=() if drop else (Frame(0.0, data, head_step),),
+            head_delay_s=clock[head_step] + hold,
+            head_step=head_step,
+            head_hold_s=hold,
+            batched=batched,
             drop=drop,
             completion=True,
             prompt_tokens=answer.prompt_tokens,
@@ -617,13 +845,18 @@ def _sse(obj: Mapping[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _relative(timed: list[tuple[float, bytes]]) -> list[Frame]:
+def _frames(
+    timed: list[tuple[int, bytes]], clock: list[float], stall: int | None, stall_s: float
+) -> tuple[Frame, ...]:
+    """Frames from ``(step, data)`` pairs: delays from the clock, a stall before ``stall``."""
     frames = []
     previous = 0.0
-    for at, data in timed:
-        frames.append(Frame(max(0.0, at - previous), data))
+    for index, (step, data) in enumerate(timed):
+        at = clock[step]
+        hold = stall_s if index == stall else 0.0
+        frames.append(Frame(max(0.0, at - previous) + hold, data, step, hold))
         previous = max(previous, at)
-    return frames
+    return tuple(frames)
 
 
 def _fault_index(chunks: list[_shapes.Chunk], fault_at: int) -> int:
@@ -679,9 +912,10 @@ def _modify_body(body: dict[str, Any], fault: str, answer: Answer, dialect: Dial
         target["annotations"] = [dict(a) for a in _ANNOTATIONS]
 
 
-def _time_at(answer: Answer, fault_at: int) -> float:
+def _step_at(answer: Answer, fault_at: int) -> int:
+    """The step a positional fault waits for: the one producing token ``fault_at``."""
     if fault_at == 0 or not answer.tokens:
-        return answer.first_token_s
+        return 1
     if fault_at < len(answer.tokens):
-        return answer.tokens[fault_at].at_s
-    return answer.end_s
+        return answer.tokens[fault_at].step
+    return answer.end_step

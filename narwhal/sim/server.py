@@ -3,8 +3,12 @@
 ``narwhal sim --bind 127.0.0.1:8101 --model llama-3.1-8b-instruct`` runs one engine server;
 :func:`serve_sim` embeds one in a Trio program (bind port 0 picks a free port; the real URL is
 reported through ``task_status``). Routes: ``/health``, ``/v1/models``, ``/metrics`` (vLLM's gauge
-names), ``/v1/chat/completions``, ``/v1/completions``; every other route answers JSON (the
-dialect's 404 or 405).
+names), ``/v1/chat/completions``, ``/v1/completions``, and the run-time switches
+``POST /sim/directives``, ``POST /sim/slowdown`` and ``GET /sim/state`` (see
+:mod:`narwhal.sim.engine`); every other route answers JSON (the dialect's 404 or 405).
+
+The GPU profiles run the engine's continuous-batching step loop in the server's Trio run, in real
+time (times ``--time-scale``).
 
 The server is also the zero-delay engine of the router-overhead benchmark, so a request does
 little beyond planning: frames with no delay are sent without any sleep, and there is no access
@@ -73,6 +77,12 @@ def create_sim_app(engine: SimEngine) -> QuartTrio:
         plan = engine.respond(request.method, request.path, created=int(time.time()))
         return Response(plan.body, status=plan.status, headers=dict(plan.headers))
 
+    async def admin() -> Response:
+        data = await request.get_data(cache=False, as_text=False)
+        raw = data.encode() if isinstance(data, str) else data
+        plan = engine.respond(request.method, request.path, raw)
+        return Response(plan.body, status=plan.status, headers=dict(plan.headers))
+
     async def not_found(_: Exception) -> Response:
         plan = engine.respond(request.method, request.path)
         return Response(plan.body, status=plan.status, headers=dict(plan.headers))
@@ -86,6 +96,12 @@ def create_sim_app(engine: SimEngine) -> QuartTrio:
         app.add_url_rule(path, f"completion:{path}", completion, methods=["POST"])
     for path in ("/health", "/v1/models", "/metrics"):
         app.add_url_rule(path, f"info:{path}", info, methods=["GET"])
+    for path, method in (
+        ("/sim/directives", "POST"),
+        ("/sim/slowdown", "POST"),
+        ("/sim/state", "GET"),
+    ):
+        app.add_url_rule(path, f"admin:{path}", admin, methods=[method])
     app.register_error_handler(404, not_found)
     app.register_error_handler(405, not_found)
     app.register_error_handler(413, too_large)
@@ -159,6 +175,12 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         help="multiplies every simulated duration (0.1: ten times faster)",
     )
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="relative amplitude of the seeded noise on each step, 0 to 1 (default: 0)",
+    )
     return parser
 
 
@@ -168,10 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.time_scale >= 0:
         parser.error("--time-scale must be >= 0")
+    if not 0 <= args.jitter <= 1:
+        parser.error("--jitter must be between 0 and 1")
     engine = SimEngine(
         args.model,
         dialect=args.dialect,
-        timing=profile(args.profile, time_scale=args.time_scale),
+        timing=profile(
+            args.profile, time_scale=args.time_scale, jitter=args.jitter, seed=args.seed
+        ),
         seed=args.seed,
     )
 

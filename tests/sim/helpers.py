@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 
+from narwhal.scheduling.profiles import EngineProfile
 from narwhal.sim import SimEngine, SimPlan
 
 CHAT = "/v1/chat/completions"
@@ -75,3 +76,18 @@ def completion(engine: SimEngine, **fields: Any) -> SimPlan:
 def json_body(plan: SimPlan) -> Any:
     """The plan's body as JSON."""
     return orjson.loads(plan.body)
+
+
+TOY = EngineProfile(
+    name="toy",
+    prefill_base_ms=4.0,
+    prefill_per_token_ms=0.5,
+    prefill_quadratic_ms=0.001,
+    decode_base_ms=8.0,
+    decode_per_seq_ms=1.0,
+    decode_per_kv_token_ms=0.01,
+    max_num_seqs=3,
+    max_num_batched_tokens=64,
+    kv_capacity_tokens=1000,
+)
+"""A small profile with round numbers, for step-by-step tests of the batching model."""

@@ -184,7 +184,7 @@ def test_info_routes() -> None:
 
 
 def test_statistics_count_plans_and_running_streams() -> None:
-    engine = SimEngine(MODEL, kv_capacity_tokens=100)
+    engine = SimEngine(MODEL, timing=EXACT, kv_capacity_tokens=100)
     plan = chat(engine, stream=True, narwhal_sim={"output_tokens": 7, "prompt_tokens": 3})
     chat(engine, narwhal_sim={"fault": "http_500"})
     engine.plan(COMPLETIONS, {"prompt": ""})
@@ -236,3 +236,67 @@ def test_lenient_request_forms() -> None:
         assert engine.plan(path, body).status == 200, body
     assert engine.plan_bytes(CHAT, b"[1, 2]").status == 400
     assert engine.plan("/v1/embeddings", {}).status == 404
+
+
+def test_step_model_plans_wait_for_output_steps() -> None:
+    engine = SimEngine(MODEL)  # h100-llama3-8b: the step loop
+    plan = chat(engine, stream=True, narwhal_sim={"output_tokens": 3})
+    assert plan.batched
+    assert [f.step for f in plan.frames] == [1, 1, 2, 3, 3]  # role, tokens, [DONE]
+    alone = engine.timing.first_token_delay_s(plan.prompt_tokens)
+    assert plan.frames[0].delay_s == alone  # the per-request clock: alone on an idle engine
+    whole = chat(engine, narwhal_sim={"output_tokens": 3})
+    assert (whole.batched, whole.head_step, whole.head_hold_s) == (True, 3, 0.0)
+    stalled = chat(engine, narwhal_sim={"output_tokens": 3, "fault": "stall", "stall_s": 2.0})
+    assert (stalled.head_step, stalled.head_hold_s) == (3, 2.0)
+    assert not chat(engine, narwhal_sim={"ttft_s": 0.1}).batched
+    assert not chat(engine, narwhal_sim={"itl_s": 0.1}).batched
+    assert not chat(SimEngine(MODEL, timing=EXACT)).batched
+    assert not chat(engine, narwhal_sim={"fault": "http_500"}).batched
+
+
+def test_admin_routes_switch_the_engine() -> None:
+    engine = SimEngine(MODEL, name="sim-a")
+    state = json_body(engine.respond("GET", "/sim/state"))
+    assert (state["name"], state["slowdown"], state["kv_capacity_tokens"]) == ("sim-a", 1.0, 467000)
+    assert (state["running"], state["waiting"], state["directives"]) == (0, 0, {})
+    assert engine.respond("POST", "/sim/slowdown", b'{"factor": 3}').status == 200
+    assert engine.slowdown == 3.0 and engine.statistics().slowdown == 3.0
+    for raw in (b'{"factor": -1}', b'{"factor": true}', b'{"factor": "2"}', b"{}", b"[1]", b"{"):
+        refused = engine.respond("POST", "/sim/slowdown", raw)
+        assert refused.status == 400 and json_body(refused)["error"]["message"], raw
+    assert engine.slowdown == 3.0
+    assert engine.respond("POST", "/sim/directives", b'{"fault": "http_503"}').status == 200
+    assert chat(engine).status == 503
+    bad = engine.respond("POST", "/sim/directives", b'{"output_tokens": -1}')
+    assert json_body(bad)["error"]["param"] == "narwhal_sim.output_tokens"
+    assert engine.respond("POST", "/sim/directives", b"{}").status == 200
+    assert chat(engine).status == 200
+    assert engine.respond("GET", "/sim/slowdown").status == 405
+    assert engine.respond("POST", "/sim/state").status == 405
+    assert engine.respond("HEAD", "/sim/state").status == 200
+    with pytest.raises(ValueError, match="slowdown"):
+        engine.set_slowdown(float("inf"))
+
+
+def test_kv_capacity_comes_from_the_profile_unless_given() -> None:
+    assert SimEngine(MODEL).statistics().kv_capacity_tokens == 467_000
+    assert SimEngine(MODEL, timing=profile("a100-llama3-8b")).statistics().kv_capacity_tokens == (
+        400_000
+    )
+    assert SimEngine(MODEL, kv_capacity_tokens=1000).statistics().kv_capacity_tokens == 1000
+    assert SimEngine(MODEL, timing=EXACT).statistics().kv_capacity_tokens == 262144
+    with pytest.raises(ValueError):
+        SimEngine(MODEL, kv_capacity_tokens=0)
+
+
+def test_a_step_model_stream_queues_for_the_batch_until_a_loop_runs() -> None:
+    engine = SimEngine(MODEL)
+    plan = chat(engine, stream=True, narwhal_sim={"output_tokens": 7, "prompt_tokens": 3})
+    stream = engine.stream(plan)  # outside Trio: no loop yet, so it waits in the queue
+    stats = engine.statistics()
+    assert (stats.running, stats.waiting, stats.kv_tokens, stats.steps) == (0, 1, 0, 0)
+    assert "vllm:num_requests_waiting" in engine.metrics_text()
+    stream.close()
+    stats = engine.statistics()
+    assert (stats.waiting, stats.closed_early) == (0, 1)

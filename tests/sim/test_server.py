@@ -86,6 +86,23 @@ async def test_a_drop_breaks_the_connection(url: str) -> None:
             assert (await client.get("/health")).status_code == 200  # the server lives on
 
 
+async def test_run_time_switches_over_http(url: str) -> None:
+    chat = {"model": MODEL, "messages": MESSAGES}
+    with trio.fail_after(DEADLINE_S):
+        async with httpx.AsyncClient(base_url=url) as client:
+            slowed = await client.post("/sim/slowdown", json={"factor": 2})
+            switched = await client.post("/sim/directives", json={"output_tokens": 3})
+            answer = (await client.post("/v1/chat/completions", json=chat)).json()
+            state = (await client.get("/sim/state")).json()
+            wrong = await client.get("/sim/slowdown")
+            bad = await client.post("/sim/slowdown", json={"factor": "fast"})
+    assert slowed.json()["slowdown"] == 2.0
+    assert switched.json()["directives"] == {"output_tokens": 3}
+    assert answer["usage"]["completion_tokens"] == 3
+    assert (state["steps"], state["completed"], state["running"]) == (3, 1, 0)
+    assert (wrong.status_code, bad.status_code) == (405, 400)
+
+
 def test_the_command_prints_its_url_and_stops_on_ctrl_c() -> None:
     command = [
         sys.executable,

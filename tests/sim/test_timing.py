@@ -1,4 +1,4 @@
-"""The timing model: linear prefill, constant decode, scale and seeded jitter (pure)."""
+"""The timing models: step costs from the profiles, linear per-request timing, scale, jitter."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from narwhal.sim import PROFILES, LinearTiming, TimingModel, profile
+from narwhal.scheduling.profiles import get_profile
+from narwhal.sim import PROFILES, LinearTiming, StepTiming, TimingModel, profile
 
 
 def test_linear_prefill_and_constant_decode() -> None:
@@ -22,23 +23,42 @@ def test_time_scale_multiplies_every_duration() -> None:
     assert timing.inter_token_delay_s(1) == 0.5
 
 
-@pytest.mark.parametrize(
-    ("name", "base", "per_token", "step"),
-    [
-        ("h100-llama3-8b", 0.0035, 0.000022, 0.007),
-        ("a100-llama3-8b", 0.0057, 0.000069, 0.012),
-        ("zero", 0.0, 0.0, 0.0),
-    ],
-)
-def test_named_profiles(name: str, base: float, per_token: float, step: float) -> None:
-    timing = PROFILES[name]
-    assert (timing.prefill_base_s, timing.prefill_per_token_s, timing.decode_step_s) == (
-        base,
-        per_token,
-        step,
+def test_named_gpu_profiles_are_step_models_over_the_scheduling_table() -> None:
+    for name in ("h100-llama3-8b", "a100-llama3-8b"):
+        timing = PROFILES[name]
+        assert isinstance(timing, StepTiming) and isinstance(timing, TimingModel)
+        assert timing.profile is get_profile(name)
+    zero = PROFILES["zero"]
+    assert isinstance(zero, LinearTiming)
+    assert (zero.prefill_base_s, zero.prefill_per_token_s, zero.decode_step_s) == (0, 0, 0)
+
+
+def test_step_timing_answers_for_a_lone_request() -> None:
+    h100 = get_profile("h100-llama3-8b")
+    timing = StepTiming(h100)
+    assert timing.first_token_delay_s(1024) == pytest.approx(h100.prefill_ms(1024) / 1000)
+    assert timing.first_token_delay_s(1024) == pytest.approx(0.0279, rel=0.01)
+    assert timing.first_token_delay_s(8192) == pytest.approx(0.3045, rel=0.01)
+    # Past max_num_batched_tokens the prompt is prefilled in chunks, each a prefill step.
+    chunked = h100.prefill_ms(8192) + h100.prefill_base_ms + h100.prefill_chunk_ms(8192, 10000)
+    assert timing.first_token_delay_s(10000) == pytest.approx(chunked / 1000)
+    assert timing.inter_token_delay_s(5, prompt_tokens=100) == pytest.approx(
+        h100.decode_step_ms(1, 105) / 1000
     )
-    assert timing.first_token_delay_s(1000) == pytest.approx(base + per_token * 1000)
-    assert isinstance(timing, TimingModel)
+
+
+def test_step_timing_scales_and_jitters_steps() -> None:
+    h100 = get_profile("h100-llama3-8b")
+    assert StepTiming(h100, time_scale=4.0).step_s(10.0, 3) == 0.04
+    assert StepTiming(h100, time_scale=0.0).step_s(10.0, 3) == 0.0
+    jittery = StepTiming(h100, jitter=0.2, seed=5)
+    steps = [jittery.step_s(10.0, index) for index in range(200)]
+    assert steps == [jittery.step_s(10.0, index) for index in range(200)]
+    assert all(0.008 <= step <= 0.012 for step in steps) and len(set(steps)) > 100
+    other = StepTiming(h100, jitter=0.2, seed=6)
+    assert steps != [other.step_s(10.0, index) for index in range(200)]
+    with pytest.raises(ValueError):
+        StepTiming(h100, jitter=2.0)
 
 
 def test_zero_profile_never_delays() -> None:
@@ -48,7 +68,8 @@ def test_zero_profile_never_delays() -> None:
 
 
 def test_profile_applies_scale_and_rejects_unknown_names() -> None:
-    assert profile("a100-llama3-8b", time_scale=0.1).time_scale == 0.1
+    a100 = profile("a100-llama3-8b", time_scale=0.1, jitter=0.1, seed=3)
+    assert (a100.time_scale, a100.jitter, a100.seed) == (0.1, 0.1, 3)
     with pytest.raises(ValueError, match="h100-llama3-8b"):
         profile("tpu-v9")
 

@@ -225,3 +225,15 @@ async def test_the_time_scale_stretches_the_stream(autojump_clock: trio.testing.
                 "/v1/chat/completions", json=body(stream=True, narwhal_sim={"output_tokens": 3})
             )
             assert trio.current_time() - start == 2.0
+
+
+async def test_a_slowdown_stretches_per_request_timing(
+    client: httpx.AsyncClient, transport: SimTransport, autojump_clock: trio.testing.MockClock
+) -> None:
+    transport.engine.set_slowdown(2.0)
+    with trio.fail_after(10):
+        start = trio.current_time()
+        request = body(stream=True, narwhal_sim={"output_tokens": 3})
+        async with client.stream("POST", "/v1/chat/completions", json=request) as response:
+            pieces = await timed_pieces(response, start)
+    assert [at for at, _ in pieces] == [1.0, 1.0, 1.5, 2.0, 2.0]
