@@ -7,11 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
-import orjson
-
-from narwhal.config import ConfigError, config_to_mapping, load_config
+from narwhal.config import ConfigError, config_to_toml, load_config
 
 __all__ = ["main"]
 
@@ -116,29 +113,5 @@ def _check_config(argv: list[str]) -> int:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 1
     print(f"# {args.file}: valid. Effective values:")
-    print(to_toml(config_to_mapping(config)))
+    print(config_to_toml(config))
     return 0
-
-
-def to_toml(data: dict[str, Any]) -> str:
-    """Render the effective configuration as TOML (tables and arrays of tables)."""
-    lines: list[str] = []
-    for section, values in data.items():
-        if isinstance(values, list | tuple):
-            for item in values:
-                lines.append(f"\n[[{section}]]")
-                lines.extend(f"{key} = {_toml_value(value)}" for key, value in item.items())
-        else:
-            lines.append(f"\n[{section}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
-    return "\n".join(lines).lstrip("\n")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    if isinstance(value, str):
-        return orjson.dumps(value).decode()
-    return repr(value)

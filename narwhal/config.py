@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import attrs
+import orjson
 
 __all__ = [
     "AdminConfig",
@@ -29,6 +30,7 @@ __all__ = [
     "UpstreamConfig",
     "config_from_mapping",
     "config_to_mapping",
+    "config_to_toml",
     "load_config",
 ]
 
@@ -311,3 +313,26 @@ def config_to_mapping(config: Config) -> dict[str, Any]:
             settings.decode_concurrency or config.admission.decode_concurrency
         )
     return data
+
+
+def config_to_toml(config: Config) -> str:
+    """The effective configuration as TOML text (loads back to the same values)."""
+    lines: list[str] = []
+    for section, values in config_to_mapping(config).items():
+        tables = values if isinstance(values, list | tuple) else [values]
+        header = f"[[{section}]]" if isinstance(values, list | tuple) else f"[{section}]"
+        for table in tables:
+            lines.append(header)
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, str):
+        return orjson.dumps(value).decode()  # a JSON string is a valid TOML basic string
+    return repr(value)

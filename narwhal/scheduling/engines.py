@@ -196,13 +196,14 @@ class Slot:
     predicted_first_token_at: float = 0.0
     phase: Literal["prefill", "decode", "released"] = "prefill"
     context_tokens: int = 0
+    key: int = 0
 
     @classmethod
     def take(cls, engine: Engine, prompt_tokens: int) -> Slot:
         """Place a request on ``engine`` now."""
         now = trio.current_time()
         slot = cls(engine, prompt_tokens, now)
-        slot.predicted_first_token_at = engine.forecast.place(prompt_tokens, now)
+        slot.key, slot.predicted_first_token_at = engine.forecast.place(prompt_tokens, now)
         engine.prefill += 1
         return slot
 
@@ -221,6 +222,7 @@ class Slot:
         self.phase = "decode"
         self.context_tokens = self.prompt_tokens
         engine.forecast.first_token(
+            self.key,
             placed_at=self.placed_at,
             predicted=self.predicted_first_token_at,
             now=trio.current_time(),
@@ -238,7 +240,7 @@ class Slot:
         engine = self.engine
         if self.phase == "prefill":
             engine.prefill -= 1
-            engine.forecast.abandon_prefill(trio.current_time())
+            engine.forecast.abandon_prefill(self.key, trio.current_time())
         elif self.phase == "decode":
             engine.decode -= 1
             engine.forecast.finish_decode(self.context_tokens)

@@ -33,7 +33,8 @@ class PrefillForecast:
         profile: the engine's step costs.
         scale: observed over predicted prefill time, learned (1.0: the profile is right).
         free_at: when the placed prefills are predicted done (Trio clock seconds).
-        in_prefill: requests placed and still waiting for their first token.
+        pending: predicted cost (seconds) of each placed request still waiting for its first
+            token, by placement key, in placement order.
         decoding: requests past their first token.
         decode_context: context tokens (prompt and output so far) of the decoding requests.
     """
@@ -41,9 +42,15 @@ class PrefillForecast:
     profile: EngineProfile
     scale: float = 1.0
     free_at: float = 0.0
-    in_prefill: int = 0
+    pending: dict[int, float] = attrs.field(factory=dict)
     decoding: int = 0
     decode_context: int = 0
+    _keys: int = 0
+
+    @property
+    def in_prefill(self) -> int:
+        """Requests placed and still waiting for their first token."""
+        return len(self.pending)
 
     def cost_s(self, tokens: int, *, joins_running_prefill: bool) -> float:
         """Predicted seconds to prefill ``tokens`` on this engine as it is now."""
@@ -66,35 +73,39 @@ class PrefillForecast:
         busy = free > now
         return max(now, free) + self.cost_s(tokens, joins_running_prefill=busy)
 
-    def place(self, tokens: int, now: float) -> float:
-        """Record a placement; return its predicted first-token time."""
+    def place(self, tokens: int, now: float) -> tuple[int, float]:
+        """Record a placement; return its key and predicted first-token time."""
+        idle = self.free_at <= now
         predicted = self.predict(tokens, now)
+        self._keys += 1
+        # A request placed on an idle pipeline teaches the scale (its wait is nobody else's).
+        key = self._keys if idle else -self._keys
+        self.pending[key] = predicted - max(now, self.free_at)
         self.free_at = predicted
-        self.in_prefill += 1
-        return predicted
+        return key, predicted
 
-    def first_token(self, *, placed_at: float, predicted: float, now: float, tokens: int) -> None:
-        """A placed request got its first token: correct the pipeline and learn the scale."""
-        self.in_prefill -= 1
+    def first_token(
+        self, key: int, *, placed_at: float, predicted: float, now: float, tokens: int
+    ) -> None:
+        """A placed request got its first token: replan the pipeline and learn the scale.
+
+        The engine serves prefills first come, first served, so what is still pending starts
+        now at the latest: the pipeline is free once their predicted costs have run.
+        """
+        self.pending.pop(key, None)
+        self.free_at = now + sum(self.pending.values())
         self.decoding += 1
         self.decode_context += tokens
-        if self.in_prefill <= 0:
-            self.in_prefill = 0
-            self.free_at = now
-        else:
-            self.free_at = max(now, self.free_at + (now - predicted))
         expected = predicted - placed_at
         observed = now - placed_at
-        if expected > 0 and observed > 0:
-            ratio = observed / expected
-            updated = self.scale * ratio**_SCALE_STEP
+        if key > 0 and expected > 0 and observed > 0:
+            updated = self.scale * (observed / expected) ** _SCALE_STEP
             self.scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], updated))
 
-    def abandon_prefill(self, now: float) -> None:
+    def abandon_prefill(self, key: int, now: float) -> None:
         """A placed request left before its first token."""
-        self.in_prefill = max(0, self.in_prefill - 1)
-        if self.in_prefill == 0:
-            self.free_at = min(self.free_at, now)
+        cost = self.pending.pop(key, 0.0)
+        self.free_at = max(now, self.free_at - cost)
 
     def generated(self, tokens: int) -> None:
         """Output tokens arrived for a decoding request (its context grew)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from quart import Response, request
+from quart.utils import encode_headers
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
@@ -37,20 +38,19 @@ log = logging.getLogger(__name__)
 
 
 class NarwhalHTTPConnection(TrioASGIHTTPConnection):
-    """Quart-Trio's HTTP connection, closing a streaming body however the response ends.
+    """Quart-Trio's HTTP connection, serving relays itself.
 
-    Quart closes a body it started to send; when the client leaves before that, the relay's
-    :class:`~narwhal.web.completions.RelayBody` is closed here instead, so the request's slots
-    and upstream stream are released in every case.
+    A :class:`~narwhal.web.completions.RelayBody` is sent by its own ``respond`` (a pump task
+    and a batching writer in the request's nursery) rather than iterated frame by frame; every
+    other response goes through Quart as usual.
     """
 
     async def _send_response(self, send: Any, response: Any) -> None:
-        try:
-            await super()._send_response(send, response)
-        finally:
-            body = getattr(getattr(response, "response", None), "iter", None)
-            if isinstance(body, RelayBody):
-                await body.aclose()
+        body = getattr(getattr(response, "response", None), "iter", None)
+        if isinstance(body, RelayBody):
+            await body.respond(send, response.status_code, encode_headers(response.headers))
+            return
+        await super()._send_response(send, response)
 
 
 class NarwhalApp(QuartTrio):

@@ -16,7 +16,6 @@ generator) wherever the request is waiting, and the ``finally`` clauses close th
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 import attrs
@@ -51,6 +50,7 @@ log = logging.getLogger(__name__)
 
 DEADLINE_HEADERS = ("x-narwhal-deadline-ms", "x-envoy-expected-rq-timeout-ms")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_RELAY_BUFFER = 256  # frames between the pump and the writer (backpressure beyond)
 
 
 def parse_deadline_headers(headers: Any, default_s: float) -> float:
@@ -175,7 +175,7 @@ async def _serve(life: _Life, route: Route) -> Response:
         if parsed.stream:
             life.handed_over = True
             response = Response(
-                RelayBody(_relay(life, exchange, deadline), life.close),
+                RelayBody(life, exchange, deadline),
                 status=200,
                 content_type="text/event-stream",
                 headers=SSE_HEADERS,
@@ -216,81 +216,108 @@ async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, 
 
 
 class RelayBody:
-    """A streaming body that releases what its request holds, even if never iterated.
+    """A streamed response: the relay of one request's upstream stream to its client.
 
-    Quart closes a body it iterated; if the client leaves between the handler's return and the
-    first iteration, nothing would. :class:`~narwhal.web.app.NarwhalHTTPConnection` calls
-    :meth:`aclose` after every response, so the release happens exactly once either way.
+    :class:`~narwhal.web.app.NarwhalHTTPConnection` serves it with :meth:`respond`: the
+    request's nursery holds a *pump* task, which reads the upstream stream under the request
+    deadline (an explicit cancel scope) and turns chunks into client frames, and the writer,
+    which sends whatever frames are ready in one write. When the client is slower than the
+    engine, frames gather and go out together instead of one write per token.
+
+    Whatever ends the response (the last byte, an in-band error, the client leaving, even
+    before the first byte), what the request holds is released exactly once.
     """
 
-    def __init__(self, frames: AsyncGenerator[bytes, None], release: Any) -> None:
-        self._frames = frames
-        self._release = release
+    def __init__(self, life: _Life, exchange: Exchange, deadline: float) -> None:
+        self._life = life
+        self._exchange = exchange
+        self._deadline = deadline
 
     def __aiter__(self) -> RelayBody:
         return self
 
     async def __anext__(self) -> bytes:
-        return await self._frames.__anext__()
+        raise RuntimeError("a relay is served by NarwhalHTTPConnection, not iterated")
+
+    async def respond(self, send: Any, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the whole response through the ASGI ``send``."""
+        frames_in, frames_out = trio.open_memory_channel[bytes](_RELAY_BUFFER)
+        first_sent = trio.Event()
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, frames_in, first_sent)
+                async with frames_out:
+                    async for frame in frames_out:
+                        batch = [frame]
+                        while True:
+                            try:
+                                batch.append(frames_out.receive_nowait())
+                            except (trio.WouldBlock, trio.EndOfChannel):
+                                break
+                        body = batch[0] if len(batch) == 1 else b"".join(batch)
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                        first_sent.set()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the relay and release the request's hold (idempotent)."""
+        """Release what the request holds (idempotent; the client may never have read)."""
         with trio.CancelScope(shield=True):
-            await self._frames.aclose()
-            await self._release()
+            await self._life.close()
 
+    async def _pump(self, frames: trio.MemorySendChannel[bytes], first_sent: trio.Event) -> None:
+        life, exchange = self._life, self._exchange
+        relay = _StreamRelay(exchange)
 
-async def _relay(life: _Life, exchange: Exchange, deadline: float) -> AsyncGenerator[bytes, None]:
-    """The streaming body: held events, then each event as it arrives.
+        async def emit(items: list[bytes]) -> None:
+            # An idle writer sends at once; a busy one (its last write still going out) finds
+            # the frames gathered when it comes back.
+            writer_idle = frames.statistics().tasks_waiting_receive > 0
+            for item in items:
+                try:
+                    frames.send_nowait(item)
+                except trio.WouldBlock:
+                    await frames.send(item)
+            if writer_idle:
+                await trio.lowlevel.checkpoint()
 
-    No cancel scope is held across a ``yield``: the deadline is re-entered around each read.
-    """
-    relay = _StreamRelay(exchange)
-    stream = exchange.stream
-    out: list[bytes] = []  # frames decoded from one read go out in one write
-    try:
-        for event in exchange.take_held():
-            out.extend(relay.frames(event))
-        while True:
-            if out and not stream.has_pending():
-                yield b"".join(out)
-                out.clear()
-            with trio.move_on_at(deadline) as scope:
-                chunk = await exchange.next_chunk()
-            if scope.cancelled_caught:
-                raise Expired(
-                    "The request deadline passed while the response was streaming.",
-                    code="request_deadline_expired",
+        async with frames:
+            try:
+                with trio.move_on_at(self._deadline) as deadline:
+                    for event in exchange.take_held():
+                        await emit(relay.frames(event))
+                    # The first output goes out before anything else is read: that is the TTFT.
+                    await first_sent.wait()
+                    while (chunk := await exchange.next_chunk()) is not None:
+                        await emit(relay.frames(chunk))
+                    await emit([*relay.finish(), encode_done()])
+                if deadline.cancelled_caught:
+                    raise Expired(
+                        "The request deadline passed while the response was streaming.",
+                        code="request_deadline_expired",
+                    )
+                exchange.record_outcome(ok=True)
+                life.finish("completed")
+                _learn(life.router, exchange)
+            except NarwhalError as exc:
+                if isinstance(exc, UpstreamFailure):
+                    exchange.record_outcome(ok=False)
+                log.info("stream ended in-band: %s", exc.message)
+                life.fail(exc)
+                await emit(
+                    [*relay.finish(), encode_data(orjson.dumps(exc.envelope())), encode_done()]
                 )
-            if chunk is None:
-                out.extend(relay.finish())
-                out.append(encode_done())
-                yield b"".join(out)
-                break
-            out.extend(relay.frames(chunk))
-        exchange.record_outcome(ok=True)
-        life.finish("completed")
-        _learn(life.router, exchange)
-    except NarwhalError as exc:
-        if isinstance(exc, UpstreamFailure):
-            exchange.record_outcome(ok=False)
-        log.info("stream ended in-band: %s", exc.message)
-        life.fail(exc)
-        out.extend(relay.finish())
-        out.append(encode_data(orjson.dumps(exc.envelope())))
-        out.append(encode_done())
-        yield b"".join(out)
-    except Exception:
-        log.exception("relay failed")
-        life.finish("failed", "internal_error")
-        failure = UpstreamFailure(
-            "The router failed while relaying the stream.", code="internal_error"
-        )
-        yield encode_data(orjson.dumps(failure.envelope()))
-        yield encode_done()
-    finally:
-        with trio.CancelScope(shield=True):
-            await life.close()
+            except Exception:
+                log.exception("relay failed")
+                life.finish("failed", "internal_error")
+                failure = UpstreamFailure(
+                    "The router failed while relaying the stream.", code="internal_error"
+                )
+                await emit([encode_data(orjson.dumps(failure.envelope())), encode_done()])
+            finally:
+                await self.aclose()
 
 
 class _StreamRelay:
