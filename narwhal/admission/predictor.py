@@ -61,7 +61,8 @@ def project(
     for tokens, needs_ids in ahead:
         choice = _earliest(eligible, free, tokens, needs_ids, now)
         if choice is not None:
-            free[choice[0]] = choice[1]
+            engine = choice[0]
+            free[engine] = engine.forecast.pipeline_after(tokens, now, free[engine])
     choice = _earliest(eligible, free, prompt_tokens, need_token_ids, now)
     if choice is None:
         return None

@@ -1,16 +1,21 @@
 """The router's running forecast of each engine's prefill pipeline (pure, no I/O).
 
 An engine runs its prefills first come, first served, in steps of chunked prefill beside its
-decoding sequences (the physics of :mod:`narwhal.scheduling.profiles`). The forecast keeps one
-number per engine, ``free_at``: when every prefill placed there is predicted done. A request
-placed at ``now`` starts at ``max(now, free_at)`` and costs its own prefill chunks plus the
-decode steps they ride along with; when the engine is already prefilling, the new prompt joins
-those steps and does not pay the step's fixed cost again.
+decoding sequences (the physics of :mod:`narwhal.scheduling.profiles`). A request's time to
+first token there has two parts:
 
-Predictions are corrected as the truth arrives: when a first token comes, the pipeline shifts
-by the error of that request, and ``scale`` (the running ratio of observed to predicted prefill
-time, the engine's drift) multiplies every cost, which also absorbs a slower or faster engine
-than its profile says.
+* **compute**, which queues: its own prefill chunks plus the decode steps they ride along with,
+  after the compute of every prefill placed before it (a prompt joining a running prefill does
+  not pay the step's fixed cost again). ``free_at`` is when the placed compute is predicted
+  done;
+* **latency**, which does not queue: the engine's front end, the network, the step boundary.
+
+Both are learned from the truth as it arrives, from requests placed on an idle pipeline (whose
+time is their own): ``scale`` multiplies the profile's compute (a slower or faster engine than
+its profile; the engine's drift) and ``latency_s`` is added. The two are fitted together by
+normalised least mean squares on ``observed = latency + scale * compute``, so prompts of
+different sizes tell them apart; with one size only, the part that is larger explains more.
+When a first token arrives, the pipeline is replanned from the compute still pending.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from narwhal.scheduling.profiles import EngineProfile
 
 __all__ = ["PrefillForecast"]
 
-_SCALE_STEP = 0.2
+_LEARNING_RATE = 0.3
 _SCALE_BOUNDS = (0.05, 50.0)
+_LATENCY_BOUNDS = (0.0, 10.0)
+_LATENCY_UNIT_S = 0.01  # the latency term's regressor: makes both weights dimensionless
 
 
 @attrs.define
@@ -31,9 +38,10 @@ class PrefillForecast:
 
     Attributes:
         profile: the engine's step costs.
-        scale: observed over predicted prefill time, learned (1.0: the profile is right).
-        free_at: when the placed prefills are predicted done (Trio clock seconds).
-        pending: predicted cost (seconds) of each placed request still waiting for its first
+        scale: observed over profiled compute, learned (1.0: the profile is right).
+        latency_s: time to first token that does not queue, learned.
+        free_at: when the placed compute is predicted done (Trio clock seconds).
+        pending: predicted compute (seconds) of each placed request still waiting for its first
             token, by placement key, in placement order.
         decoding: requests past their first token.
         decode_context: context tokens (prompt and output so far) of the decoding requests.
@@ -41,19 +49,21 @@ class PrefillForecast:
 
     profile: EngineProfile
     scale: float = 1.0
+    latency_s: float = 0.0
     free_at: float = 0.0
     pending: dict[int, float] = attrs.field(factory=dict)
     decoding: int = 0
     decode_context: int = 0
     _keys: int = 0
+    _teachers: dict[int, float] = attrs.field(factory=dict)
 
     @property
     def in_prefill(self) -> int:
         """Requests placed and still waiting for their first token."""
         return len(self.pending)
 
-    def cost_s(self, tokens: int, *, joins_running_prefill: bool) -> float:
-        """Predicted seconds to prefill ``tokens`` on this engine as it is now."""
+    def compute_s(self, tokens: int, *, joins_running_prefill: bool) -> float:
+        """Profiled (unscaled) seconds of compute to prefill ``tokens`` here as it is now."""
         profile = self.profile
         budget = max(1, profile.max_num_batched_tokens - self.decoding)
         steps = max(1, -(-tokens // budget))
@@ -61,50 +71,69 @@ class PrefillForecast:
         if not joins_running_prefill and self.decoding == 0:
             work_ms += profile.prefill_base_ms
         work_ms += steps * profile.decode_step_ms(self.decoding, self.decode_context)
-        return work_ms / 1000 * self.scale
+        return work_ms / 1000
 
     def standalone_s(self, tokens: int) -> float:
-        """The prompt's prefill on an idle engine: the least it can ever take here."""
-        return self.profile.prefill_ms(tokens) / 1000 * self.scale
+        """The prompt's time to first token on an idle engine: the least it can take here."""
+        return self.profile.prefill_ms(tokens) / 1000 * self.scale + self.latency_s
 
     def predict(self, tokens: int, now: float, free_at: float | None = None) -> float:
         """When a prompt placed now would get its first token (absolute time)."""
         free = self.free_at if free_at is None else free_at
         busy = free > now
-        return max(now, free) + self.cost_s(tokens, joins_running_prefill=busy)
+        compute = self.compute_s(tokens, joins_running_prefill=busy) * self.scale
+        return max(now, free) + compute + self.latency_s
+
+    def pipeline_after(self, tokens: int, now: float, free_at: float) -> float:
+        """``free_at`` once a prompt placed at ``now`` has had its compute."""
+        busy = free_at > now
+        return max(now, free_at) + self.compute_s(tokens, joins_running_prefill=busy) * self.scale
 
     def place(self, tokens: int, now: float) -> tuple[int, float]:
         """Record a placement; return its key and predicted first-token time."""
         idle = self.free_at <= now
-        predicted = self.predict(tokens, now)
+        compute = self.compute_s(tokens, joins_running_prefill=not idle)
+        start = max(now, self.free_at)
         self._keys += 1
-        # A request placed on an idle pipeline teaches the scale (its wait is nobody else's).
-        key = self._keys if idle else -self._keys
-        self.pending[key] = predicted - max(now, self.free_at)
-        self.free_at = predicted
-        return key, predicted
+        key = self._keys
+        self.pending[key] = compute * self.scale
+        if idle:  # its time will be its own: it can teach the model
+            self._teachers[key] = compute
+        self.free_at = start + compute * self.scale
+        return key, self.free_at + self.latency_s
 
     def first_token(
         self, key: int, *, placed_at: float, predicted: float, now: float, tokens: int
     ) -> None:
-        """A placed request got its first token: replan the pipeline and learn the scale.
+        """A placed request got its first token: replan the pipeline and learn.
 
         The engine serves prefills first come, first served, so what is still pending starts
-        now at the latest: the pipeline is free once their predicted costs have run.
+        now at the latest: the pipeline is free once their predicted compute has run.
         """
         self.pending.pop(key, None)
         self.free_at = now + sum(self.pending.values())
         self.decoding += 1
         self.decode_context += tokens
-        expected = predicted - placed_at
-        observed = now - placed_at
-        if key > 0 and expected > 0 and observed > 0:
-            updated = self.scale * (observed / expected) ** _SCALE_STEP
-            self.scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], updated))
+        compute = self._teachers.pop(key, None)
+        if compute is not None:
+            self._learn(observed=now - placed_at, compute=compute)
+
+    def _learn(self, *, observed: float, compute: float) -> None:
+        x_latency, x_compute = 1.0, compute / _LATENCY_UNIT_S
+        w_latency, w_compute = self.latency_s / _LATENCY_UNIT_S, self.scale
+        error = observed / _LATENCY_UNIT_S - (w_latency * x_latency + w_compute * x_compute)
+        norm = x_latency * x_latency + x_compute * x_compute
+        w_latency += _LEARNING_RATE * error * x_latency / norm
+        w_compute += _LEARNING_RATE * error * x_compute / norm
+        self.latency_s = min(
+            _LATENCY_BOUNDS[1], max(_LATENCY_BOUNDS[0], w_latency * _LATENCY_UNIT_S)
+        )
+        self.scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], w_compute))
 
     def abandon_prefill(self, key: int, now: float) -> None:
         """A placed request left before its first token."""
         cost = self.pending.pop(key, 0.0)
+        self._teachers.pop(key, None)
         self.free_at = max(now, self.free_at - cost)
 
     def generated(self, tokens: int) -> None:

@@ -24,6 +24,7 @@ from narwhal.errors import (
 )
 from narwhal.protocol.chunks import ChunkFacts, inspect_chunk
 from narwhal.protocol.sse import DONE, SSEDecoder
+from narwhal.upstream.transport import EngineTransport
 
 __all__ = [
     "ChunkEvent",
@@ -92,6 +93,8 @@ class EngineClient:
             max_connections=upstream.max_connections,
             max_keepalive_connections=upstream.max_connections,
         )
+        if transport is None and engine.url.startswith("http://"):
+            transport = EngineTransport(max_connections=upstream.max_connections, timeout=timeout)
         self.http = httpx.AsyncClient(
             base_url=engine.url, timeout=timeout, limits=limits, transport=transport
         )

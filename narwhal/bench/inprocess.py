@@ -1,0 +1,341 @@
+"""A router in front of simulated engines, all in one Trio run: the virtual-time benchmarks' fleet.
+
+Nothing here touches a socket. The engines are :class:`~narwhal.sim.engine.SimEngine` objects
+served to the router's upstream clients by :class:`~narwhal.sim.transport.SimTransport`; the
+router's ASGI app is served to the benchmark's client by :class:`ASGIStreamTransport`, which
+(unlike httpx's ``ASGITransport``, which buffers the whole body) returns the response as soon as
+its headers go out and yields body chunks as the app sends them. Under
+``trio.testing.MockClock(autojump_threshold=0)`` the whole fleet runs in virtual time: an hour
+of traffic takes the CPU time its requests cost, and no more.
+
+Relaying every token through the whole stack is what costs CPU, so the engines can send
+several tokens a chunk (:class:`CoalescingSimEngine`): the first token still goes alone, at the
+end of the prefill (the TTFT is exact), and each later chunk carries ``tokens_per_chunk`` tokens
+with all their IDs, as vLLM does with ``stream_interval``. The router counts IDs, not chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from narwhal.config import Config
+from narwhal.router import Router
+from narwhal.sim.engine import SimConnectionDropped, SimEngine, SimPlan, SimStream
+from narwhal.sim.timing import profile as timing_profile
+from narwhal.web.app import create_app, get_router
+
+__all__ = [
+    "ASGIStreamTransport",
+    "CoalescingSimEngine",
+    "InProcessFleet",
+    "SimEngineTransport",
+    "open_fleet",
+    "run_lifespan",
+]
+
+_BODY_PIECE = 1 << 16
+_COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+@attrs.define(eq=False)
+class CoalescingSimEngine(SimEngine):
+    """A :class:`SimEngine` that streams ``tokens_per_chunk`` tokens a chunk, the first alone.
+
+    Narwhal asks vLLM engines for ``stream_interval: 1``; this engine answers streams as if the
+    request (or the server's own setting) said ``tokens_per_chunk``: vLLM's rule, the first
+    token alone, then that many a chunk, each chunk carrying all its token IDs.
+
+    Attributes:
+        tokens_per_chunk: tokens per chunk after the first (1: one per token).
+    """
+
+    tokens_per_chunk: int = 1
+
+    def respond(
+        self, method: str, path: str, raw: bytes = b"", *, created: int | None = None
+    ) -> SimPlan:
+        """See :meth:`SimEngine.respond`; streamed completions come in larger chunks."""
+        if self.tokens_per_chunk > 1 and method == "POST" and path in _COMPLETION_PATHS:
+            raw = _with_stream_interval(raw, self.tokens_per_chunk)
+        return super().respond(method, path, raw, created=created)
+
+
+def _with_stream_interval(raw: bytes, interval: int) -> bytes:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw  # the engine's own 400
+    if not isinstance(body, dict) or not body.get("stream"):
+        return raw
+    body["stream_interval"] = interval
+    return orjson.dumps(body)
+
+
+class _EngineBody(httpx.AsyncByteStream):
+    """An engine's response body, played in Trio time; a planned drop is an httpx error.
+
+    Its own iterator rather than an async generator, so an abandoned body leaves nothing for
+    the garbage collector to finalise.
+    """
+
+    def __init__(self, stream: SimStream, request: httpx.Request) -> None:
+        self._stream = stream
+        self._request = request
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._stream.__anext__()
+        except StopAsyncIteration:
+            raise
+        except SimConnectionDropped as exc:
+            raise httpx.RemoteProtocolError(
+                "peer closed connection without sending complete message body",
+                request=self._request,
+            ) from exc
+        except BaseException:
+            self._stream.close()
+            raise
+
+    async def aclose(self) -> None:
+        self._stream.close()
+
+
+class SimEngineTransport(httpx.AsyncBaseTransport):
+    """Serves a :class:`SimEngine` to an httpx client in-process, keeping no record.
+
+    :class:`~narwhal.sim.transport.SimTransport` keeps every request body for tests to inspect;
+    a benchmark replaying tens of thousands of requests must not hold them.
+    """
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Answer ``request`` from the engine's plan; the body streams in Trio time."""
+        raw = await request.aread()
+        plan = self.engine.respond(request.method, request.url.path, raw)
+        if not plan.completion:
+            return httpx.Response(plan.status, headers=plan.headers, content=plan.body)
+        stream = self.engine.stream(plan)
+        try:
+            await stream.wait_head()
+        except SimConnectionDropped as exc:
+            raise httpx.RemoteProtocolError(
+                "Server disconnected without sending a response.", request=request
+            ) from exc
+        return httpx.Response(
+            plan.status, headers=plan.headers, stream=_EngineBody(stream, request)
+        )
+
+
+class _Body(httpx.AsyncByteStream):
+    """The response body as the app sends it; closing it early tells the app the client left."""
+
+    def __init__(self, chunks: trio.MemoryReceiveChannel[bytes]) -> None:
+        self._chunks = chunks
+        self.on_close: Any = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._chunks:
+            yield chunk
+
+    async def aclose(self) -> None:
+        if self.on_close is not None:
+            await self.on_close()
+
+
+class ASGIStreamTransport(httpx.AsyncBaseTransport):
+    """An httpx transport serving requests from an ASGI app, streaming, in ``nursery``.
+
+    Each request runs the app in a new task of ``nursery``; the response returns once the app
+    sent its headers, and its body yields chunks as the app sends them. Closing the response
+    before the end sends the app ``http.disconnect``, as a client that goes away does.
+    """
+
+    def __init__(self, app: Any, nursery: trio.Nursery) -> None:
+        self.app = app
+        self.nursery = nursery
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Serve ``request`` from the app."""
+        body = await request.aread()
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": request.method,
+            "scheme": request.url.scheme,
+            "path": request.url.path,
+            "raw_path": request.url.raw_path,
+            "query_string": request.url.query,
+            "root_path": "",
+            "headers": [(k.lower(), v) for k, v in request.headers.raw],
+            "client": ("127.0.0.1", 40000),
+            "server": ("127.0.0.1", 80),
+            "extensions": {},
+        }
+        pieces = [body[i : i + _BODY_PIECE] for i in range(0, len(body), _BODY_PIECE)] or [b""]
+        to_app, from_client = trio.open_memory_channel[dict[str, Any]](len(pieces))
+        chunks_in, chunks_out = trio.open_memory_channel[bytes](64)
+        started: dict[str, Any] = {}
+        headers_ready = trio.Event()
+        done = trio.Event()
+        disconnected = trio.Event()
+        for index, piece in enumerate(pieces):
+            to_app.send_nowait(
+                {"type": "http.request", "body": piece, "more_body": index < len(pieces) - 1}
+            )
+        to_app.close()
+
+        async def receive() -> dict[str, Any]:
+            try:
+                return await from_client.receive()
+            except trio.EndOfChannel:
+                await disconnected.wait()
+                return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                started.update(message)
+                headers_ready.set()
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await chunks_in.send(message["body"])
+                if not message.get("more_body", False):
+                    await chunks_in.aclose()
+
+        async def run_app() -> None:
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                done.set()
+                headers_ready.set()
+                await chunks_in.aclose()
+
+        self.nursery.start_soon(run_app)
+        try:
+            await headers_ready.wait()
+        except BaseException:
+            disconnected.set()  # the client gave up before the headers: it went away
+            raise
+        if not started:
+            raise httpx.RemoteProtocolError("the app ended without a response")
+        stream = _Body(chunks_out)
+
+        async def close() -> None:
+            if not done.is_set():
+                disconnected.set()
+                with trio.move_on_after(5):
+                    await done.wait()
+            await chunks_out.aclose()
+
+        stream.on_close = close
+        return httpx.Response(
+            status_code=started["status"],
+            headers=[(bytes(k), bytes(v)) for k, v in started.get("headers", [])],
+            stream=stream,
+            request=request,
+        )
+
+
+async def run_lifespan(app: Any, *, task_status: trio.TaskStatus[None]) -> None:
+    """Run the app's ASGI lifespan: startup, then (even when cancelled) a clean shutdown."""
+    to_app, from_runner = trio.open_memory_channel[dict[str, Any]](4)
+    to_runner, from_app = trio.open_memory_channel[dict[str, Any]](4)
+
+    async def expect(kind: str) -> None:
+        message = await from_app.receive()
+        if message["type"] != kind:
+            raise RuntimeError(f"lifespan: expected {kind}, got {message}")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            app,
+            {"type": "lifespan", "asgi": {"version": "3.0"}},
+            from_runner.receive,
+            to_runner.send,
+        )
+        await to_app.send({"type": "lifespan.startup"})
+        await expect("lifespan.startup.complete")
+        task_status.started()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await to_app.send({"type": "lifespan.shutdown"})
+                await expect("lifespan.shutdown.complete")
+            nursery.cancel_scope.cancel()
+
+
+@attrs.define(eq=False)
+class InProcessFleet:
+    """A running router, the client that reaches it, and the simulated engines behind it.
+
+    Attributes:
+        router: the router's state (statistics, pool, metrics).
+        client: an ``httpx.AsyncClient`` whose requests go to the router's app.
+        engines: the simulated engines by name.
+        nursery: where request tasks run; cancel its scope to stop everything.
+    """
+
+    router: Router
+    client: httpx.AsyncClient
+    engines: Mapping[str, SimEngine]
+    nursery: trio.Nursery
+
+
+@contextlib.asynccontextmanager
+async def open_fleet(
+    config: Config,
+    *,
+    profile: str = "h100-llama3-8b",
+    time_scale: float = 1.0,
+    seed: int = 0,
+    tokens_per_chunk: int = 1,
+    wait_ready: bool = True,
+) -> AsyncIterator[InProcessFleet]:
+    """Start the router of ``config`` in front of one simulated engine per configured engine.
+
+    Each engine runs ``profile`` at ``time_scale`` in its configured dialect, seeded with
+    ``seed`` plus its position. Returns once ``/ready`` would be 200 (unless ``wait_ready`` is
+    false); on exit every task of the fleet is cancelled and the app shut down.
+    """
+    engines = {
+        engine.name: CoalescingSimEngine(
+            config.serving.model,
+            dialect=engine.dialect,
+            timing=timing_profile(profile, time_scale=time_scale),
+            seed=seed + index,
+            name=engine.name,
+            tokens_per_chunk=tokens_per_chunk,
+        )
+        for index, engine in enumerate(config.engines)
+    }
+    transports = {name: SimEngineTransport(engine) for name, engine in engines.items()}
+    app = create_app(config, transports=transports)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(run_lifespan, app))
+        client = httpx.AsyncClient(
+            transport=ASGIStreamTransport(app, nursery), base_url="http://narwhal.bench"
+        )
+        fleet = InProcessFleet(get_router(app), client, engines, nursery)
+        try:
+            if wait_ready:
+                await fleet.router.wait_ready()
+            yield fleet
+        finally:
+            nursery.cancel_scope.cancel()
+            with trio.CancelScope(shield=True):
+                await client.aclose()
