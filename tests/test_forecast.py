@@ -1,0 +1,72 @@
+"""The prefill forecast: the pipeline, its replanning, and what it learns."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.scheduling.forecast import PrefillForecast
+from narwhal.scheduling.profiles import PROFILES
+
+H100 = PROFILES["h100-llama3-8b"]
+
+
+def test_an_idle_engine_predicts_the_profiled_prefill() -> None:
+    forecast = PrefillForecast(H100)
+    key, at = forecast.place(1024, now=10.0)
+    assert at - 10.0 == pytest.approx(H100.prefill_ms(1024) / 1000)
+    assert forecast.in_prefill == 1 and key in forecast.pending
+
+
+def test_prompts_queue_behind_each_other_and_joiners_skip_the_step_cost() -> None:
+    forecast = PrefillForecast(H100)
+    _, first = forecast.place(1024, now=0.0)
+    _, second = forecast.place(1024, now=0.0)
+    joined = H100.prefill_chunk_ms(0, 1024) / 1000
+    assert second == pytest.approx(first + joined)
+
+
+def test_a_first_token_replans_the_pipeline_from_what_is_pending() -> None:
+    forecast = PrefillForecast(H100)
+    key_a, _ = forecast.place(1024, now=0.0)
+    forecast.place(1024, now=0.0)
+    forecast.first_token(key_a, placed_at=0.0, predicted=0.028, now=0.5, tokens=1024)
+    # a was late: b's compute (it joined a's prefill) starts now at the latest.
+    assert forecast.free_at == pytest.approx(0.5 + H100.prefill_chunk_ms(0, 1024) / 1000)
+    assert forecast.decoding == 1 and forecast.decode_context == 1024
+
+
+def test_abandoning_a_prefill_gives_its_time_back() -> None:
+    forecast = PrefillForecast(H100)
+    _, _ = forecast.place(4096, now=0.0)
+    key, _ = forecast.place(4096, now=0.0)
+    before = forecast.free_at
+    forecast.abandon_prefill(key, now=0.0)
+    assert forecast.free_at < before and forecast.in_prefill == 1
+
+
+def test_decoding_sequences_slow_prefill_down() -> None:
+    idle = PrefillForecast(H100)
+    busy = PrefillForecast(H100, decoding=128, decode_context=128 * 1500)
+    assert busy.predict(1024, 0.0) > idle.predict(1024, 0.0)
+
+
+def test_learning_separates_latency_from_compute() -> None:
+    forecast = PrefillForecast(H100)
+    now = 0.0
+    # The engine is twice as slow as its profile and adds 20 ms that do not queue.
+    for tokens in [256, 4096, 1024, 8000, 512, 2048] * 40:
+        key, predicted = forecast.place(tokens, now)
+        truth = 0.020 + 2 * H100.prefill_ms(tokens) / 1000
+        forecast.first_token(key, placed_at=now, predicted=predicted, now=now + truth, tokens=0)
+        forecast.finish_decode(0)
+        now += 10
+    assert forecast.scale == pytest.approx(2.0, rel=0.05)
+    assert forecast.latency_s == pytest.approx(0.020, abs=0.003)
+
+
+def test_only_requests_placed_on_an_idle_pipeline_teach() -> None:
+    forecast = PrefillForecast(H100)
+    forecast.place(1024, now=0.0)
+    key, predicted = forecast.place(1024, now=0.0)  # waited behind the first
+    forecast.first_token(key, placed_at=0.0, predicted=predicted, now=10.0, tokens=0)
+    assert forecast.scale == 1.0 and forecast.latency_s == 0.0
