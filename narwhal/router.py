@@ -47,13 +47,19 @@ class RouterStatistics:
         """Active, with at least one eligible engine."""
         return self.state == "active" and any(engine.eligible for engine in self.engines)
 
+    def why_not_ready(self) -> str | None:
+        """``None`` when ready; else the refusal code clients get (``router_fenced``...)."""
+        if self.reason is not None:
+            return self.reason
+        if self.state != "active":
+            return f"router_{self.state}"
+        return None if self.ready else "backend_unavailable"
+
     def as_json(self) -> dict[str, Any]:
         """The ``/ready`` body."""
         return {
             "state": self.state,
-            "reason": self.reason
-            if self.reason is not None
-            else (None if self.ready else "no_eligible_engine"),
+            "reason": self.why_not_ready(),
             "counters": self.accounting.as_json(),
             "engines": [
                 {
@@ -88,14 +94,17 @@ class Router:
         transports = transports or {}
         admission = config.admission
         self.pool = EnginePool(
-            Engine(
-                engine,
-                EngineClient(engine, config.upstream, transport=transports.get(engine.name)),
-                prefill_limit=engine.prefill_concurrency or admission.prefill_concurrency,
-                decode_limit=engine.decode_concurrency or admission.decode_concurrency,
-                forecast=PrefillForecast(get_profile(engine.profile)),
-            )
-            for engine in config.engines
+            (
+                Engine(
+                    engine,
+                    EngineClient(engine, config.upstream, transport=transports.get(engine.name)),
+                    prefill_limit=engine.prefill_concurrency or admission.prefill_concurrency,
+                    decode_limit=engine.decode_concurrency or admission.decode_concurrency,
+                    forecast=PrefillForecast(get_profile(engine.profile)),
+                )
+                for engine in config.engines
+            ),
+            tpot_target_s=admission.tpot_target_s,
         )
         self.accounting = Accounting()
         self.retention = RetentionLimit(admission.http_retention_limit)

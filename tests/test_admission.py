@@ -100,7 +100,7 @@ async def test_queue_full_is_a_429_and_the_queue_counts_live_requests(
     assert counters["rejected"] == 1 and counters["unsized_offered"] == 0
     with trio.fail_after(60):
         await until(lambda: len(done) == 2)
-    assert [r.status_code for r in done] == [200, 200]
+    assert [r.status_code for r in done] == [200, 200], [r.text for r in done]
     fleet.assert_quiescent()
 
 

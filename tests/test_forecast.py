@@ -70,3 +70,19 @@ def test_only_requests_placed_on_an_idle_pipeline_teach() -> None:
     key, predicted = forecast.place(1024, now=0.0)  # waited behind the first
     forecast.first_token(key, placed_at=0.0, predicted=predicted, now=10.0, tokens=0)
     assert forecast.scale == 1.0 and forecast.latency_s == 0.0
+
+
+def test_one_outlier_moves_the_model_by_at_most_a_factor_of_two() -> None:
+    forecast = PrefillForecast(H100)
+    key, predicted = forecast.place(1024, now=0.0)
+    before = predicted
+    forecast.first_token(key, placed_at=0.0, predicted=predicted, now=10.0, tokens=0)
+    forecast.finish_decode(0)
+    _, after = forecast.place(1024, now=100.0)
+    assert after - 100.0 <= 2 * before + 1e-9
+
+
+def test_tpot_counts_every_sequence_that_will_decode() -> None:
+    forecast = PrefillForecast(H100, decoding=10, decode_context=10_000)
+    forecast.place(1000, now=0.0)
+    assert forecast.tpot_with(1000) == pytest.approx(H100.decode_step_ms(12, 12_000) / 1000)

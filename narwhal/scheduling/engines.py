@@ -9,6 +9,7 @@ returns them (vLLM before 0.10.2 ignores ``return_token_ids``: such an engine is
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal
 
@@ -253,8 +254,9 @@ class Slot:
 class EnginePool:
     """The configured engines and the placement among them."""
 
-    def __init__(self, engines: Iterable[Engine]) -> None:
+    def __init__(self, engines: Iterable[Engine], *, tpot_target_s: float = math.inf) -> None:
         self.engines: Sequence[Engine] = tuple(engines)
+        self.tpot_target_s = tpot_target_s
         self._changed = trio.Event()
         for engine in self.engines:
             engine.pool_changed = self.notify
@@ -307,6 +309,8 @@ class EnginePool:
                 continue
             if need_token_ids and not engine.provides_token_ids:
                 continue
+            if engine.forecast.tpot_with(prompt_tokens) > self.tpot_target_s:
+                continue  # one more sequence would slow every stream there past the target
             at = engine.forecast.predict(prompt_tokens, now)
             if best is None or at < best_at:
                 best, best_at = engine, at

@@ -26,7 +26,7 @@ from narwhal.scheduling.profiles import EngineProfile
 
 __all__ = ["PrefillForecast"]
 
-_LEARNING_RATE = 0.3
+_LEARNING_RATE = 0.2
 _SCALE_BOUNDS = (0.05, 50.0)
 _LATENCY_BOUNDS = (0.0, 10.0)
 _LATENCY_UNIT_S = 0.01  # the latency term's regressor: makes both weights dimensionless
@@ -72,6 +72,16 @@ class PrefillForecast:
             work_ms += profile.prefill_base_ms
         work_ms += steps * profile.decode_step_ms(self.decoding, self.decode_context)
         return work_ms / 1000
+
+    def tpot_with(self, tokens: int) -> float:
+        """Predicted time per output token if one more sequence of ``tokens`` joined the batch.
+
+        Every sequence placed here will decode: those in prefill count already.
+        """
+        batch = self.decoding + self.in_prefill + 1
+        context = self.decode_context + tokens
+        # The profile's decode step: ``scale`` is learned from prefills, not from decoding.
+        return self.profile.decode_step_ms(batch, context) / 1000
 
     def standalone_s(self, tokens: int) -> float:
         """The prompt's time to first token on an idle engine: the least it can take here."""
@@ -121,7 +131,10 @@ class PrefillForecast:
     def _learn(self, *, observed: float, compute: float) -> None:
         x_latency, x_compute = 1.0, compute / _LATENCY_UNIT_S
         w_latency, w_compute = self.latency_s / _LATENCY_UNIT_S, self.scale
-        error = observed / _LATENCY_UNIT_S - (w_latency * x_latency + w_compute * x_compute)
+        predicted = w_latency * x_latency + w_compute * x_compute
+        # One outlier (a stall, a hiccup) moves the model by at most a factor of two.
+        target = min(max(observed / _LATENCY_UNIT_S, predicted / 2), predicted * 2)
+        error = target - predicted
         norm = x_latency * x_latency + x_compute * x_compute
         w_latency += _LEARNING_RATE * error * x_latency / norm
         w_compute += _LEARNING_RATE * error * x_compute / norm
