@@ -56,6 +56,7 @@ class PrefillForecast:
     decode_context: int = 0
     _keys: int = 0
     _teachers: dict[int, float] = attrs.field(factory=dict)
+    _prompts: dict[int, int] = attrs.field(factory=dict)
 
     @property
     def in_prefill(self) -> int:
@@ -79,7 +80,7 @@ class PrefillForecast:
         Every sequence placed here will decode: those in prefill count already.
         """
         batch = self.decoding + self.in_prefill + 1
-        context = self.decode_context + tokens
+        context = self.decode_context + sum(self._prompts.values()) + tokens
         # The profile's decode step: ``scale`` is learned from prefills, not from decoding.
         return self.profile.decode_step_ms(batch, context) / 1000
 
@@ -107,6 +108,7 @@ class PrefillForecast:
         self._keys += 1
         key = self._keys
         self.pending[key] = compute * self.scale
+        self._prompts[key] = tokens
         if idle:  # its time will be its own: it can teach the model
             self._teachers[key] = compute
         self.free_at = start + compute * self.scale
@@ -121,6 +123,7 @@ class PrefillForecast:
         now at the latest: the pipeline is free once their predicted compute has run.
         """
         self.pending.pop(key, None)
+        self._prompts.pop(key, None)
         self.free_at = now + sum(self.pending.values())
         self.decoding += 1
         self.decode_context += tokens
@@ -147,6 +150,7 @@ class PrefillForecast:
         """A placed request left before its first token."""
         cost = self.pending.pop(key, 0.0)
         self._teachers.pop(key, None)
+        self._prompts.pop(key, None)
         self.free_at = max(now, self.free_at - cost)
 
     def generated(self, tokens: int) -> None:
