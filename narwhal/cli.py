@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 
-from narwhal.config import ConfigError, config_to_toml, load_config
+from narwhal.config import ConfigError, check_resources, config_to_toml, load_config
 
 __all__ = ["main"]
 
@@ -79,7 +79,11 @@ def _serve(argv: list[str]) -> int:
             )
             print(f"narwhal: serving {config.serving.model!r} on {', '.join(urls)}", flush=True)
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    except ConfigError as exc:
+        print(f"narwhal serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -109,6 +113,7 @@ def _check_config(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.file)
+        check_resources(config)
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ __all__ = [
     "MonitoringConfig",
     "ServingConfig",
     "UpstreamConfig",
+    "check_resources",
     "config_from_mapping",
     "config_to_mapping",
     "config_to_toml",
@@ -205,6 +206,21 @@ def load_config(path: str | Path) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     return config_from_mapping(data)
+
+
+def check_resources(config: Config) -> None:
+    """Check what the configuration names outside itself (a tokenizer file) can be used.
+
+    Raises:
+        ConfigError: a named file cannot be loaded; the message names the key.
+    """
+    if config.serving.tokenizer:
+        from narwhal.admission.sizing import TokenizerCounter
+
+        try:
+            TokenizerCounter.from_file(config.serving.tokenizer)
+        except RuntimeError as exc:
+            raise ConfigError(f"serving.tokenizer: {exc}") from exc
 
 
 def config_from_mapping(data: Mapping[str, Any]) -> Config:

@@ -75,3 +75,12 @@ def test_unknown_command_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown command" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "check-config" in capsys.readouterr().out
+
+
+def test_check_config_loads_the_named_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(f"[serving]\ntokenizer = '{tmp_path / 'missing.json'}'\n")
+    assert main(["check-config", str(path)]) == 1
+    assert "serving.tokenizer" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """The admission queue: a bounded memory channel to one dispatcher, beside a record of who waits.
 
 A request that passed admission is enqueued with ``send_nowait`` (a full queue is an immediate
-429) and waits for the dispatcher's decision under its own cancel scopes (the admission wait
-and the request deadline; the caller opens both). The dispatcher, a task in the app's nursery,
+429) and waits for the dispatcher's decision under two cancel scopes: the admission wait, which
+:meth:`AdmissionQueue.wait_for_placement` opens, inside the request deadline, which the caller
+opened when the request arrived. The dispatcher, a task in the app's nursery,
 takes requests in arrival order and places each as soon as an engine has a free prefill slot
 and decode headroom, choosing the engine with the earliest predicted first token. When no
 engine is eligible at all, every queued request that cannot be served gets its 503 at once.
