@@ -168,8 +168,10 @@ async def _serve(life: _Life, route: Route) -> Response:
         elif not router.pool.any_eligible(need_token_ids=need_ids):
             raise _no_engine()
         waiter = Waiter(tokens, need_ids)
-        router.queue.enqueue(waiter)
-        slot = await router.queue.wait_for_placement(waiter, admission.admission_wait_s)
+        slot = router.queue.place_now(waiter)
+        if slot is None:
+            router.queue.enqueue(waiter)
+            slot = await router.queue.wait_for_placement(waiter, admission.admission_wait_s)
         router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
         life.exchange = exchange = await open_exchange(router.pool, parsed, slot, life.arrival)
         if parsed.stream:
