@@ -22,6 +22,7 @@ from narwhal.config import Config, ConfigError
 from narwhal.errors import Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics
 from narwhal.scheduling.forecast import PrefillForecast
+from narwhal.scheduling.lengths import OutputLengths
 from narwhal.scheduling.profiles import get_profile
 from narwhal.upstream.client import EngineClient
 from narwhal.web.metrics import Metrics
@@ -116,6 +117,7 @@ class Router:
             except RuntimeError as exc:
                 raise ConfigError(f"serving.tokenizer: {exc}") from exc
         self.sizer = Sizer(counter)
+        self.lengths = OutputLengths()
         self.state: RouterState = "active"
         self.state_reason: str | None = None
         self.metrics = Metrics(self)

@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from narwhal.errors import CapacityRejection, Expired, NarwhalError, Unavailable
-from narwhal.scheduling.engines import EnginePool, Slot
+from narwhal.scheduling.engines import Engine, EnginePool, Slot
 
 __all__ = ["AdmissionQueue", "QueueStatistics", "Waiter"]
 
@@ -41,6 +41,8 @@ class Waiter:
 
     prompt_tokens: int
     need_token_ids: bool
+    route: str = "chat"
+    max_tokens: int | None = None
     enqueued_at: float = attrs.field(factory=trio.current_time)
     decided: trio.Event = attrs.field(factory=trio.Event)
     slot: Slot | None = None
@@ -96,7 +98,7 @@ class AdmissionQueue:
             return None
         self._enqueued += 1
         self._placed += 1
-        return Slot.take(engine, waiter.prompt_tokens)
+        return _take(engine, waiter)
 
     def enqueue(self, waiter: Waiter) -> None:
         """Join the queue without waiting.
@@ -161,7 +163,7 @@ class AdmissionQueue:
                     break
                 engine = self.pool.best(waiter.prompt_tokens, need_token_ids=waiter.need_token_ids)
                 if engine is not None:
-                    self._decide(waiter, slot=Slot.take(engine, waiter.prompt_tokens))
+                    self._decide(waiter, slot=_take(engine, waiter))
                     self._placed += 1
                     break
                 await self.pool.wait_changed()
@@ -198,6 +200,10 @@ class AdmissionQueue:
             placed=self._placed,
             refused_unavailable=self._unavailable,
         )
+
+
+def _take(engine: Engine, waiter: Waiter) -> Slot:
+    return Slot.take(engine, waiter.prompt_tokens, route=waiter.route, max_tokens=waiter.max_tokens)
 
 
 def _queue_full() -> CapacityRejection:

@@ -69,6 +69,7 @@ class Engine:
     failed: int = 0
     pool_changed: Callable[[], None] = lambda: None
     rejoin: Callable[[Engine], None] = lambda engine: None
+    slots: dict[Slot, None] = attrs.field(factory=dict)  # placed and not yet released
 
     @property
     def name(self) -> str:
@@ -183,7 +184,7 @@ class _ProbeFailed(NarwhalError):
     pass
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, hash=False)
 class Slot:
     """A request's place on an engine: prefill until its first output event, then decode.
 
@@ -194,19 +195,34 @@ class Slot:
     engine: Engine
     prompt_tokens: int
     placed_at: float
+    route: str = "chat"
+    max_tokens: int | None = None
     predicted_first_token_at: float = 0.0
     phase: Literal["prefill", "decode", "released"] = "prefill"
     context_tokens: int = 0
+    generated_tokens: int = 0
     key: int = 0
 
     @classmethod
-    def take(cls, engine: Engine, prompt_tokens: int) -> Slot:
+    def take(
+        cls,
+        engine: Engine,
+        prompt_tokens: int,
+        *,
+        route: str = "chat",
+        max_tokens: int | None = None,
+    ) -> Slot:
         """Place a request on ``engine`` now."""
         now = trio.current_time()
-        slot = cls(engine, prompt_tokens, now)
+        slot = cls(engine, prompt_tokens, now, route, max_tokens)
         slot.key, slot.predicted_first_token_at = engine.forecast.place(prompt_tokens, now)
         engine.prefill += 1
+        engine.slots[slot] = None
         return slot
+
+    def observe_gap(self, gap_s: float, tokens: int) -> None:
+        """Time between two output events of this request, which carried ``tokens`` tokens."""
+        self.engine.forecast.observe_gap(gap_s, max(1, tokens))
 
     @property
     def predicted_ttft_s(self) -> float:
@@ -232,6 +248,7 @@ class Slot:
 
     def generated(self, tokens: int) -> None:
         """Output tokens arrived: the request's context grew."""
+        self.generated_tokens += tokens
         if self.phase == "decode" and tokens:
             self.context_tokens += tokens
             self.engine.forecast.generated(tokens)
@@ -248,6 +265,7 @@ class Slot:
         else:
             return
         self.phase = "released"
+        engine.slots.pop(self, None)
         engine.pool_changed()
 
 

@@ -27,6 +27,7 @@ from narwhal.scheduling.profiles import EngineProfile
 __all__ = ["PrefillForecast"]
 
 _LEARNING_RATE = 0.2
+_DECODE_RATE = 0.02
 _SCALE_BOUNDS = (0.05, 50.0)
 _LATENCY_BOUNDS = (0.0, 10.0)
 _LATENCY_UNIT_S = 0.01  # the latency term's regressor: makes both weights dimensionless
@@ -50,6 +51,7 @@ class PrefillForecast:
     profile: EngineProfile
     scale: float = 1.0
     latency_s: float = 0.0
+    decode_scale: float = 1.0
     free_at: float = 0.0
     pending: dict[int, float] = attrs.field(factory=dict)
     decoding: int = 0
@@ -83,6 +85,21 @@ class PrefillForecast:
         context = self.decode_context + sum(self._prompts.values()) + tokens
         # The profile's decode step: ``scale`` is learned from prefills, not from decoding.
         return self.profile.decode_step_ms(batch, context) / 1000
+
+    def tpot_s(self) -> float:
+        """Predicted time per output token of the decoding batch as it is now."""
+        batch = max(1, self.decoding)
+        context = self.decode_context + sum(self._prompts.values())
+        return self.profile.decode_step_ms(batch, context) / 1000 * self.decode_scale
+
+    def observe_gap(self, gap_s: float, tokens: int) -> None:
+        """An inter-token gap was observed (per token): learn the decode scale."""
+        expected = self.profile.decode_step_ms(max(1, self.decoding), self.decode_context) / 1000
+        if expected <= 0 or gap_s <= 0:
+            return
+        ratio = min(max(gap_s / tokens / expected, self.decode_scale / 2), self.decode_scale * 2)
+        updated = self.decode_scale + _DECODE_RATE * (ratio - self.decode_scale)
+        self.decode_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], updated))
 
     def standalone_s(self, tokens: int) -> float:
         """The prompt's time to first token on an idle engine: the least it can take here."""

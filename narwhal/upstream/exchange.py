@@ -43,6 +43,7 @@ class Measurements:
     output_events: int = 0
     predicted_ttft: float | None = None
     prompt_tokens_reported: int | None = None
+    completion_tokens_reported: int | None = None
     gaps: list[float] = attrs.field(factory=list)
 
     @property
@@ -75,16 +76,22 @@ class Exchange:
                 measured.predicted_ttft = self.slot.predicted_first_token_at - measured.arrival
                 self.slot.to_decode()
             elif measured.last_output_at is not None:
-                measured.gaps.append(now - measured.last_output_at)
+                gap = now - measured.last_output_at
+                measured.gaps.append(gap)
+                self.slot.observe_gap(gap, facts.token_ids)
             measured.last_output_at = now
             measured.output_events += 1
         self.measurements.output_tokens += facts.token_ids
         self.slot.generated(facts.token_ids or int(facts.output))
         if facts.usage:
             usage = event.chunk["usage"]
-            prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-            if type(prompt) is int and prompt > 0:
-                self.measurements.prompt_tokens_reported = prompt
+            if isinstance(usage, dict):
+                prompt = usage.get("prompt_tokens")
+                if type(prompt) is int and prompt > 0:
+                    self.measurements.prompt_tokens_reported = prompt
+                completion = usage.get("completion_tokens")
+                if type(completion) is int and completion >= 0:
+                    self.measurements.completion_tokens_reported = completion
         if facts.finish:
             self.finished = True
 
@@ -171,7 +178,11 @@ async def open_exchange(
         other = pool.best(
             next_slot.prompt_tokens, exclude=tried, need_token_ids=request.wants_token_ids
         )
-        next_slot = None if other is None else Slot.take(other, slot.prompt_tokens)
+        next_slot = (
+            None
+            if other is None
+            else Slot.take(other, slot.prompt_tokens, route=slot.route, max_tokens=slot.max_tokens)
+        )
     assert failure is not None
     if isinstance(failure, EngineResponseError):
         raise failure

@@ -155,9 +155,9 @@ async def _serve(life: _Life, route: Route) -> Response:
             now = trio.current_time()
             projection = project(
                 router.pool,
-                [(w.prompt_tokens, w.need_token_ids) for w in router.queue.waiting()],
-                tokens,
-                need_token_ids=need_ids,
+                router.queue.waiting(),
+                Waiter(tokens, need_ids, route, parsed.max_output_tokens),
+                router.lengths,
                 now=now,
                 elapsed_s=now - life.arrival,
                 overhead_s=admission.frontend_overhead_s,
@@ -167,7 +167,7 @@ async def _serve(life: _Life, route: Route) -> Response:
             check_budget(projection, admission.ttft_budget_s)
         elif not router.pool.any_eligible(need_token_ids=need_ids):
             raise _no_engine()
-        waiter = Waiter(tokens, need_ids)
+        waiter = Waiter(tokens, need_ids, route, parsed.max_output_tokens)
         slot = router.queue.place_now(waiter)
         if slot is None:
             router.queue.enqueue(waiter)
@@ -374,5 +374,9 @@ def _learn(router: Router, exchange: Exchange) -> None:
             metrics.predicted_ttft_error_ratio.observe(ttft / measured.predicted_ttft)
     for gap in measured.gaps:
         metrics.inter_token_gap.observe(gap)
+    produced = measured.output_tokens or measured.completion_tokens_reported
+    if produced is not None and exchange.finished:
+        request = exchange.request
+        router.lengths.learn(request.route, request.max_output_tokens, produced)
     if measured.prompt_tokens_reported:
         router.sizer.learn(exchange.engine.name, exchange.request, measured.prompt_tokens_reported)

@@ -1,0 +1,78 @@
+"""Output lengths, learned (pure): how long will a request keep its decode slot?
+
+A request's decode slot is free again when its output ends. Admission needs that time for the
+requests already running (when every decode slot is taken, a newcomer waits for the first to
+end), so Narwhal learns output lengths per route and ``max_tokens`` bucket from the validated
+token counts of completed requests, keeps the recent ones, and answers with a quantile of the
+lengths still possible: a request that has already produced ``g`` tokens is expected to stop at
+a length above ``g`` (decode correction), not at the unconditional median.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+import attrs
+
+__all__ = ["OutputLengths"]
+
+_WINDOW = 512
+_PRIOR_TOKENS = 256
+
+
+def _bucket(route: str, max_tokens: int | None) -> tuple[str, int]:
+    if max_tokens is None:
+        return route, 0
+    return route, max(1, max_tokens).bit_length()
+
+
+@attrs.define
+class _Lengths:
+    recent: deque[int] = attrs.field(factory=lambda: deque(maxlen=_WINDOW))
+    ordered: list[int] = attrs.field(factory=list)
+
+    def add(self, tokens: int) -> None:
+        if len(self.recent) == self.recent.maxlen:
+            old = self.recent[0]
+            del self.ordered[bisect.bisect_left(self.ordered, old)]
+        self.recent.append(tokens)
+        bisect.insort(self.ordered, tokens)
+
+
+@attrs.define
+class OutputLengths:
+    """The learned output-length distributions.
+
+    Attributes:
+        quantile: which quantile of the possible lengths to expect (conservative above 0.5).
+    """
+
+    quantile: float = 0.75
+    _by_bucket: dict[tuple[str, int], _Lengths] = attrs.field(factory=dict)
+
+    def learn(self, route: str, max_tokens: int | None, tokens: int) -> None:
+        """A request of this route and ``max_tokens`` produced ``tokens`` tokens."""
+        key = _bucket(route, max_tokens)
+        lengths = self._by_bucket.get(key)
+        if lengths is None:
+            lengths = self._by_bucket[key] = _Lengths()
+        lengths.add(tokens)
+
+    def expected_total(self, route: str, max_tokens: int | None, generated: int = 0) -> float:
+        """The output length to expect, given ``generated`` tokens so far."""
+        cap = max_tokens if max_tokens is not None else None
+        lengths = self._by_bucket.get(_bucket(route, max_tokens))
+        if lengths is None or not lengths.ordered:
+            guess = float(max(_PRIOR_TOKENS, generated + 1))
+        else:
+            ordered = lengths.ordered
+            start = bisect.bisect_right(ordered, generated)
+            if start >= len(ordered):
+                guess = generated * 1.25 + 1  # longer than anything seen: a bit more
+            else:
+                index = start + int(self.quantile * (len(ordered) - 1 - start))
+                guess = float(ordered[index])
+        if cap is not None:
+            guess = min(guess, float(cap))
+        return max(guess, generated + 1.0)
