@@ -12,14 +12,25 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
+import attrs
 import orjson
 
+from narwhal.bench.admission import (
+    DEFAULT_LOADS,
+    AdmissionSettings,
+    default_jobs,
+    run_admission,
+)
+from narwhal.bench.goodput import Capacity
 from narwhal.bench.overhead import (
-    DEFAULT_LEVELS,
+    DEFAULT_LEVELS as OVERHEAD_LEVELS,
+)
+from narwhal.bench.overhead import (
     QUICK_LEVELS,
     Level,
     OverheadSettings,
@@ -27,7 +38,7 @@ from narwhal.bench.overhead import (
 )
 from narwhal.bench.services import ServiceError
 
-__all__ = ["main", "parse_levels"]
+__all__ = ["admission_settings", "main", "parse_floats", "parse_levels"]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -64,6 +75,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     _overhead_arguments(overhead)
     overhead.set_defaults(run=_run_overhead)
+    admission = commands.add_parser(
+        "admission",
+        help="admission quality: predictive vs open against the engines' capacity, virtual time",
+        description=(
+            "Run the router and simulated engines in one process under Trio's MockClock, "
+            "seeded: measure the engines' capacity, replay the Azure conversation trace "
+            "open-loop at multiples of it in predictive and open mode, force a sample of the "
+            "refused requests in to count false refusals, and measure the memory the retention "
+            "and queue limits add. Prints goodput against min(offered, capacity), the share of "
+            "admitted requests inside the TTFT budget, TTFT percentiles, refusals by reason, "
+            "the TTFT prediction error and the quality bar's verdicts. With --real-time, "
+            "confirm on real sockets instead: two `narwhal sim` processes slowed by "
+            "--time-scale behind `narwhal serve`."
+        ),
+    )
+    _admission_arguments(admission)
+    admission.set_defaults(run=_run_admission)
     return parser
 
 
@@ -78,7 +106,7 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency",
         metavar="C,C,...",
         help="concurrency levels (default "
-        + ",".join(str(level.concurrency) for level in DEFAULT_LEVELS)
+        + ",".join(str(level.concurrency) for level in OVERHEAD_LEVELS)
         + ")",
     )
     parser.add_argument(
@@ -86,7 +114,7 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N[,N,...]",
         help="requests measured per target at each level, one number for all or one per level "
         "(default "
-        + ",".join(str(level.requests) for level in DEFAULT_LEVELS)
+        + ",".join(str(level.requests) for level in OVERHEAD_LEVELS)
         + "; --quick "
         + ",".join(str(level.requests) for level in QUICK_LEVELS)
         + ")",
@@ -242,7 +270,7 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     defaults = OverheadSettings()
     try:
         levels = parse_levels(
-            args.concurrency, args.requests, QUICK_LEVELS if args.quick else DEFAULT_LEVELS
+            args.concurrency, args.requests, QUICK_LEVELS if args.quick else OVERHEAD_LEVELS
         )
     except ValueError as exc:
         print(f"narwhal bench overhead: {exc}", file=sys.stderr)
@@ -285,3 +313,294 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         )
         print(f"\nJSON report written to {args.output}")
     return 0 if report.passed else 1
+
+
+# -- narwhal bench admission --------------------------------------------------------------------
+
+_QUICK_DURATION_S = 300.0
+_QUICK_SAMPLES = "5,2"
+
+
+def _admission_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short run: the first {_QUICK_DURATION_S:g} s of the trace, a shorter capacity "
+        f"loop, fewer forced-in reruns ({_QUICK_SAMPLES}); explicit options win",
+    )
+    parser.add_argument(
+        "--duration-s",
+        type=_positive_float,
+        metavar="S",
+        help="replay only the first S seconds of the trace (trace time; default: all of it, "
+        "about an hour)",
+    )
+    parser.add_argument(
+        "--loads",
+        metavar="X,X,...",
+        default=",".join(f"{load:g}" for load in DEFAULT_LOADS),
+        help="offered loads as multiples of the measured capacity (default %(default)s)",
+    )
+    parser.add_argument(
+        "--modes",
+        default="predictive,open",
+        help="admission modes compared (default %(default)s)",
+    )
+    parser.add_argument(
+        "--ttft-budget-s",
+        type=_positive_float,
+        default=2.0,
+        metavar="S",
+        help="the TTFT budget (default %(default)s)",
+    )
+    parser.add_argument("--trace", default="conv", choices=("conv", "code"), help="the trace")
+    parser.add_argument("--seed", type=int, default=0, help="seeds everything (default 0)")
+    parser.add_argument(
+        "--engines", type=_positive_int, default=2, help="simulated engines (default %(default)s)"
+    )
+    parser.add_argument(
+        "--profile", default="h100-llama3-8b", help="the engines' profile (default %(default)s)"
+    )
+    parser.add_argument(
+        "--tokens-per-chunk",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="tokens per streamed chunk after the first, which goes alone (default "
+        "%(default)s; 1 relays every token, slowly)",
+    )
+    parser.add_argument(
+        "--capacity",
+        type=_positive_float,
+        metavar="RPS",
+        help="use this capacity (requests/s) instead of measuring it",
+    )
+    parser.add_argument(
+        "--capacity-window-s",
+        type=_positive_float,
+        metavar="S",
+        help="virtual seconds of the capacity loop measured (default 90; --quick 30), after "
+        "a warm-up of a third as long",
+    )
+    parser.add_argument(
+        "--false-refusal-samples",
+        metavar="N[,N]",
+        help="refused requests forced in, one rerun each: at 0.5x, then at every other load "
+        "(default 20,5; --quick " + _QUICK_SAMPLES + ")",
+    )
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        metavar="N",
+        help="runs in parallel, each in its own process (default: one per CPU core)",
+    )
+    parser.add_argument(
+        "--narwhal-config",
+        type=Path,
+        metavar="FILE",
+        help="run the router with this configuration's settings (engines and model replaced)",
+    )
+    realtime = parser.add_argument_group("real time (--real-time)")
+    realtime.add_argument(
+        "--real-time",
+        action="store_true",
+        help="instead of the virtual-time runs, confirm on real sockets: `narwhal sim` "
+        "processes slowed by --time-scale behind `narwhal serve`, predictive mode only",
+    )
+    realtime.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=4.0,
+        metavar="X",
+        help="the engines' --time-scale; the budget is scaled alike (default %(default)s)",
+    )
+    realtime.add_argument(
+        "--real-time-loads",
+        metavar="X,X,...",
+        default="1,2",
+        help="loads of the real-time run (default %(default)s)",
+    )
+    realtime.add_argument(
+        "--real-time-duration-s",
+        type=_positive_float,
+        metavar="S",
+        help="wall seconds of load per level (default 120; --quick 30)",
+    )
+    realtime.add_argument(
+        "--startup-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="how long each process may take to become ready (default %(default)s)",
+    )
+    realtime.add_argument(
+        "--log-dir", type=Path, metavar="DIR", help="keep the processes' logs in DIR"
+    )
+    parser.add_argument(
+        "--output", type=Path, metavar="FILE", help="also write the report as JSON to FILE"
+    )
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def parse_floats(text: str, option: str) -> tuple[float, ...]:
+    """Comma-separated positive numbers.
+
+    Raises:
+        ValueError: a value is not a positive number, or there is none.
+    """
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{option}: expected numbers separated by commas, got {text!r}") from None
+    if not values or any(not value > 0 for value in values):
+        raise ValueError(f"{option}: expected positive numbers, got {text!r}")
+    return values
+
+
+def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
+    """The settings ``narwhal bench admission`` runs with.
+
+    Raises:
+        ValueError: an option's value is wrong.
+        narwhal.config.ConfigError: ``--narwhal-config`` is not a valid configuration.
+    """
+    from narwhal.bench.replay import VirtualSetup, default_router
+    from narwhal.config import load_config
+
+    loads = parse_floats(args.loads, "--loads")
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    if not modes or any(mode not in ("predictive", "open") for mode in modes):
+        raise ValueError(f"--modes: expected predictive and/or open, got {args.modes!r}")
+    router = default_router(args.engines, profile=args.profile)
+    if args.narwhal_config is not None:
+        base = load_config(args.narwhal_config)
+        router = attrs.evolve(
+            base,
+            serving=attrs.evolve(base.serving, model=router.serving.model),
+            engines=router.engines,
+        )
+    samples_text = args.false_refusal_samples or (_QUICK_SAMPLES if args.quick else "20,5")
+    samples = _integers(samples_text, "--false-refusal-samples") if samples_text else [0]
+    if len(samples) > 2:
+        raise ValueError("--false-refusal-samples: one or two numbers (0.5x, then the others)")
+    light, other = samples[0], samples[-1]
+    duration = args.duration_s or (_QUICK_DURATION_S if args.quick else None)
+    window = args.capacity_window_s or (30.0 if args.quick else 90.0)
+    setup = VirtualSetup(
+        router=router,
+        profile=args.profile,
+        seed=args.seed,
+        tokens_per_chunk=args.tokens_per_chunk,
+        trace=args.trace,
+        duration_s=duration,
+    )
+    return AdmissionSettings(
+        setup=setup,
+        loads=loads,
+        modes=modes,
+        budget_s=args.ttft_budget_s,
+        capacity=None if args.capacity is None else Capacity(args.capacity, 0.0, measured=False),
+        capacity_warmup_s=window / 3,
+        capacity_window_s=window,
+        false_refusal_samples=((0.5, light),),
+        false_refusal_default=other if len(samples) > 1 else light,
+        memory=not args.no_memory,
+        jobs=args.jobs or default_jobs(),
+    )
+
+
+def _run_admission(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from narwhal.config import ConfigError
+
+    try:
+        settings = admission_settings(args)
+    except (ValueError, ConfigError) as exc:
+        print(f"narwhal bench admission: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        with _terminate_as_interrupt():
+            if args.real_time:
+                report_text, data, passed = _real_time(args, settings, progress)
+            else:
+                report = run_admission(settings, echo=progress)
+                report_text, data, passed = report.render(), report.as_json(), report.passed
+    except ServiceError as exc:
+        print(f"narwhal bench admission: {exc}", file=sys.stderr)
+        return 2
+    except BaseException as exc:
+        if not _is_interrupt(exc):
+            raise
+        print("narwhal bench admission: interrupted", file=sys.stderr)
+        return 130
+    print(report_text)
+    if args.output is not None:
+        args.output.write_bytes(
+            orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        )
+        print(f"\nJSON report written to {args.output}")
+    return 0 if passed else 1
+
+
+def _real_time(
+    args: argparse.Namespace, settings: AdmissionSettings, echo: Callable[[str], None]
+) -> tuple[str, dict[str, Any], bool]:
+    from narwhal.bench.admission_realtime import RealtimeSettings, run_realtime
+    from narwhal.bench.admission_report import render_checks, render_runs
+    from narwhal.bench.replay import CapacityJob, measure_capacity
+
+    capacity = settings.capacity
+    if capacity is None:
+        echo("capacity: measured in virtual time first")
+        capacity = measure_capacity(
+            CapacityJob(
+                settings.setup,
+                warmup_s=settings.capacity_warmup_s,
+                window_s=settings.capacity_window_s,
+            )
+        )
+        echo(f"capacity: {capacity.rps:.2f} req/s at time scale 1")
+    realtime = RealtimeSettings(
+        router=settings.setup.router,
+        capacity=capacity,
+        loads=parse_floats(args.real_time_loads, "--real-time-loads"),
+        duration_s=args.real_time_duration_s or (30.0 if args.quick else 120.0),
+        warmup_s=10.0 if args.quick else 20.0,
+        time_scale=args.time_scale,
+        budget_s=settings.budget_s,
+        profile=settings.setup.profile,
+        trace=settings.setup.trace,
+        seed=settings.setup.seed,
+        startup_timeout_s=args.startup_timeout,
+        log_dir=args.log_dir,
+    )
+    report = run_realtime(realtime, echo=echo)
+    rt = report.settings
+    lines = [
+        f"narwhal bench admission --real-time: {rt['engines']} x narwhal sim --time-scale "
+        f"{rt['time_scale']:g} behind narwhal serve (Hypercorn), predictive, budget "
+        f"{rt['router_budget_s']:g} s ({rt['budget_s']:g} s x {rt['time_scale']:g}), capacity "
+        f"{rt['capacity_rps']:.2f} req/s, {rt['duration_s']:g} s of load per level",
+        "",
+        *render_runs(report.runs),
+        "",
+        *render_checks(report.checks),
+        "",
+        f"wall time: {report.wall_s:.0f} s",
+        f"verdict: {'PASS' if report.passed else 'FAIL'}",
+    ]
+    data = {"capacity": capacity.as_json(), **report.as_json()}
+    return "\n".join(lines), data, report.passed

@@ -17,7 +17,7 @@ with all their IDs, as vLLM does with ``stream_interval``. The router counts IDs
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from functools import partial
 from typing import Any
 

@@ -1,0 +1,372 @@
+"""``narwhal bench admission``: predictive admission against the engines' capacity, in virtual time.
+
+The router and two simulated engines run in one process under Trio's ``MockClock``
+(:mod:`narwhal.bench.replay`), seeded, so the Azure conversation trace replays in the CPU time
+its requests cost, reproducibly, free of machine noise. The benchmark:
+
+1. measures the engines' **capacity**: a closed loop at saturation with the trace's prompt and
+   output lengths, through the router in ``open`` mode with its limits lifted;
+2. **replays** the trace open-loop at multiples of that capacity (its time axis scaled), once in
+   ``predictive`` mode and once in ``open`` mode, same seed;
+3. forces a sample of each predictive run's **refused** requests in, one rerun each, to see
+   whether they would have met the budget (false refusals);
+4. fills the router's retention and queue limits and measures the **memory** they add;
+
+and prints the figures, the quality bar's verdicts (:func:`narwhal.bench.goodput.evaluate`) and
+the wall times. Independent runs go to worker processes (``jobs``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from typing import Any, TypeVar
+
+import attrs
+
+from narwhal.bench.admission_report import AdmissionReport
+from narwhal.bench.goodput import (
+    Bar,
+    Capacity,
+    FalseRefusals,
+    ReplayFigures,
+    engine_seconds,
+    evaluate,
+    replay_figures,
+)
+from narwhal.bench.replay import (
+    CapacityJob,
+    MemoryJob,
+    MemoryResult,
+    ReplayJob,
+    ReplayResult,
+    VirtualSetup,
+    measure_capacity,
+    measure_memory,
+    run_replay,
+)
+from narwhal.bench.trace import mean_rate, span_s
+from narwhal.scheduling.profiles import get_profile
+
+__all__ = [
+    "DEFAULT_LOADS",
+    "AdmissionSettings",
+    "run_admission",
+    "sample_refusals",
+]
+
+Echo = Callable[[str], None]
+T = TypeVar("T")
+R = TypeVar("R")
+
+DEFAULT_LOADS = (0.5, 1.0, 2.0, 3.0)
+MODES = ("predictive", "open")
+
+
+@attrs.frozen
+class AdmissionSettings:
+    """Everything that shapes a run of the admission benchmark.
+
+    Attributes:
+        setup: the router, engines, trace and seed shared by every run.
+        loads: offered loads, as multiples of the measured capacity.
+        modes: admission modes compared (``predictive`` carries the verdicts).
+        budget_s: the TTFT budget (``admission.ttft_budget_s``).
+        capacity: a capacity to use instead of measuring one.
+        capacity_warmup_s: virtual seconds of the capacity loop before measuring.
+        capacity_window_s: virtual seconds measured.
+        warmup_fraction: share of each replay's span left out of its goodput window.
+        false_refusal_samples: refused requests forced in per load (predictive runs), by
+            load; a load not listed takes ``false_refusal_default``.
+        false_refusal_default: the sample size of loads not in ``false_refusal_samples``.
+        memory: whether to measure the memory bar.
+        jobs: worker processes (1: everything in this process).
+        bar: the targets.
+    """
+
+    setup: VirtualSetup
+    loads: tuple[float, ...] = DEFAULT_LOADS
+    modes: tuple[str, ...] = MODES
+    budget_s: float = 2.0
+    capacity: Capacity | None = None
+    capacity_warmup_s: float = 30.0
+    capacity_window_s: float = 90.0
+    warmup_fraction: float = 0.1
+    false_refusal_samples: tuple[tuple[float, int], ...] = ((0.5, 20),)
+    false_refusal_default: int = 5
+    memory: bool = True
+    jobs: int = 1
+    bar: Bar = attrs.field(factory=Bar)
+
+    def samples_at(self, load: float) -> int:
+        """How many refused requests to force in at ``load``."""
+        return dict(self.false_refusal_samples).get(load, self.false_refusal_default)
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        setup = self.setup
+        admission = attrs.asdict(setup.router.admission)
+        return {
+            "trace": setup.trace,
+            "duration_s": setup.duration_s,
+            "profile": setup.profile,
+            "engines": len(setup.router.engines),
+            "seed": setup.seed,
+            "tokens_per_chunk": setup.tokens_per_chunk,
+            "max_tokens": setup.max_tokens,
+            "admission": admission,
+            "loads": list(self.loads),
+            "modes": list(self.modes),
+            "budget_s": self.budget_s,
+            "capacity_given": self.capacity is not None,
+            "capacity_warmup_s": self.capacity_warmup_s,
+            "capacity_window_s": self.capacity_window_s,
+            "warmup_fraction": self.warmup_fraction,
+            "false_refusal_samples": {str(load): self.samples_at(load) for load in self.loads},
+            "memory": self.memory,
+            "jobs": self.jobs,
+            "bar": attrs.asdict(self.bar),
+        }
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def _map(function: Callable[[T], R], jobs: Sequence[T], workers: int) -> list[R]:
+    """``function`` over ``jobs``, in worker processes when ``workers`` > 1 (results in order).
+
+    Every run builds its own fleet and seeds its own scheduler, so a worker may run several.
+    """
+    if workers <= 1 or len(jobs) <= 1:
+        return [function(job) for job in jobs]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=min(workers, len(jobs)), mp_context=context
+    ) as pool:
+        return list(pool.map(function, jobs))
+
+
+def _in_fresh_process(function: Callable[[T], R], job: T) -> R:
+    """``function(job)`` in a new interpreter (a memory measurement starts clean)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(function, job).result()
+
+
+def sample_refusals(refused: Sequence[int], samples: int, *, seed: int, key: str) -> list[int]:
+    """A seeded uniform sample of ``samples`` of the ``refused`` trace indices, sorted.
+
+    ``key`` (the load, say) makes each load's sample independent of the others'.
+    """
+    if samples <= 0 or not refused:
+        return []
+    rng = random.Random(f"{seed}:{key}")
+    return sorted(rng.sample(list(refused), min(samples, len(refused))))
+
+
+def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> AdmissionReport:
+    """Run the whole benchmark and return its report."""
+    started = time.perf_counter()
+    walls: dict[str, float] = {}
+    setup = settings.setup
+    profile = get_profile(setup.profile)
+    rows = setup.rows()
+    trace_info = {
+        "name": setup.trace,
+        "requests": len(rows),
+        "span_s": span_s(rows),
+        "mean_rate": mean_rate(rows),
+    }
+    echo(
+        f"trace {setup.trace}: {len(rows)} requests over {span_s(rows):.0f} s of trace "
+        f"({mean_rate(rows):.2f} req/s)"
+    )
+
+    phase = time.perf_counter()
+    capacity = settings.capacity
+    if capacity is None:
+        echo(
+            f"capacity: closed loop through the router (open, limits lifted), "
+            f"{settings.capacity_warmup_s:g} s warm-up + {settings.capacity_window_s:g} s "
+            "measured (virtual)"
+        )
+        capacity = measure_capacity(
+            CapacityJob(
+                setup,
+                warmup_s=settings.capacity_warmup_s,
+                window_s=settings.capacity_window_s,
+            )
+        )
+    elif capacity.engine_s_per_s <= 0:
+        mean_engine = sum(
+            engine_seconds(profile, row.prompt_tokens, row.output_tokens) for row in rows
+        ) / max(1, len(rows))
+        capacity = attrs.evolve(capacity, engine_s_per_s=capacity.rps * mean_engine)
+    walls["capacity"] = time.perf_counter() - phase
+    echo(
+        f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "
+        f"({walls['capacity']:.0f} s wall)"
+    )
+
+    phase = time.perf_counter()
+    plan = [(load, mode) for load in settings.loads for mode in settings.modes]
+    jobs = [
+        ReplayJob(setup, mode, capacity.rps * load, settings.budget_s)  # type: ignore[arg-type]
+        for load, mode in plan
+    ]
+    echo(f"replay: {len(jobs)} runs ({settings.jobs} at a time)")
+    results = _map(run_replay, jobs, settings.jobs)
+    walls["replay"] = time.perf_counter() - phase
+    figures: list[ReplayFigures] = []
+    for (load, mode), result in zip(plan, results, strict=True):
+        figure = _figures(settings, capacity, load, mode, result)
+        figures.append(figure)
+        echo(
+            f"  {load:g}x {mode}: {figure.offered} offered, {_pct(figure.admitted_fraction)} "
+            f"admitted, {_pct(figure.in_budget_fraction)} in budget, goodput "
+            f"{_pct(figure.goodput_ratio)} of bound ({result.wall_s:.0f} s wall)"
+        )
+
+    phase = time.perf_counter()
+    figures = _false_refusals(settings, capacity, figures, results, echo)
+    walls["false_refusals"] = time.perf_counter() - phase
+
+    memory: MemoryResult | None = None
+    if settings.memory:
+        phase = time.perf_counter()
+        job = MemoryJob(setup)
+        memory = (
+            _in_fresh_process(measure_memory, job) if settings.jobs > 1 else measure_memory(job)
+        )
+        walls["memory"] = time.perf_counter() - phase
+        echo(f"memory: {memory.added / 1e6:.1f} MB added ({walls['memory']:.0f} s wall)")
+
+    checks = evaluate(
+        figures, settings.bar, memory_added_bytes=None if memory is None else memory.added
+    )
+    walls["total"] = time.perf_counter() - started
+    return AdmissionReport(
+        settings=settings.as_json(),
+        environment=environment(),
+        trace=trace_info,
+        capacity=capacity,
+        runs=tuple(figures),
+        memory=memory,
+        checks=tuple(checks),
+        wall_s=walls,
+    )
+
+
+def _figures(
+    settings: AdmissionSettings,
+    capacity: Capacity,
+    load: float,
+    mode: str,
+    result: ReplayResult,
+) -> ReplayFigures:
+    return replay_figures(
+        result.outcomes,
+        load=load,
+        mode=mode,
+        budget_s=settings.budget_s,
+        offered_rps=capacity.rps * load,
+        capacity=capacity,
+        profile=get_profile(settings.setup.profile),
+        warmup_fraction=settings.warmup_fraction,
+        books=result.books,
+        wall_s=result.wall_s,
+        virtual_s=result.virtual_s,
+    )
+
+
+def _false_refusals(
+    settings: AdmissionSettings,
+    capacity: Capacity,
+    figures: list[ReplayFigures],
+    results: Sequence[ReplayResult],
+    echo: Echo,
+) -> list[ReplayFigures]:
+    """Force sampled refusals in, one rerun each, and attach the verdicts to the figures."""
+    reruns: list[tuple[int, int]] = []  # (position in figures, trace index)
+    for position, (figure, result) in enumerate(zip(figures, results, strict=True)):
+        if figure.mode != "predictive":
+            continue
+        chosen = sample_refusals(
+            [outcome.index for outcome in result.outcomes if outcome.refused],
+            settings.samples_at(figure.load),
+            seed=settings.setup.seed,
+            key=f"{figure.load:g}",
+        )
+        reruns.extend((position, index) for index in chosen)
+    if reruns:
+        echo(f"false refusals: {len(reruns)} forced-in reruns ({settings.jobs} at a time)")
+    jobs = [
+        ReplayJob(
+            settings.setup,
+            "predictive",
+            capacity.rps * figures[position].load,
+            settings.budget_s,
+            forced=index,
+        )
+        for position, index in reruns
+    ]
+    forced = _map(run_replay, jobs, settings.jobs)
+    updated = list(figures)
+    for position, (figure, result) in enumerate(zip(figures, results, strict=True)):
+        if figure.mode != "predictive":
+            continue
+        mine = [
+            (index, rerun)
+            for (where, index), rerun in zip(reruns, forced, strict=True)
+            if where == position
+        ]
+        updated[position] = attrs.evolve(
+            figure,
+            false_refusals=FalseRefusals(
+                refused=sum(1 for outcome in result.outcomes if outcome.refused),
+                offered=figure.offered,
+                sampled=tuple(index for index, _ in mine),
+                met_budget=tuple(index for index, rerun in mine if rerun.forced_ttft_s is not None),
+                ttfts_s={index: rerun.forced_ttft_s for index, rerun in mine},
+            ),
+        )
+    return updated
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.1f} %"
+
+
+def environment() -> dict[str, Any]:
+    """CPU cores, Python and package versions."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 0
+    versions: dict[str, str | None] = {}
+    for package in ("narwhal", "trio", "httpx", "quart-trio", "hypercorn"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu_cores": cores,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": versions,
+    }
+
+
+def default_jobs() -> int:
+    """Worker processes by default: one per CPU core this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)

@@ -1,0 +1,306 @@
+"""``narwhal bench admission --real-time``: confirm the virtual-time figures on real sockets.
+
+Two ``narwhal sim`` engines run as processes with ``--time-scale`` > 1 (every simulated duration
+multiplied: slower engines, so the token rate stays within what a few CPU cores can relay while
+the queueing dynamics stay those of the profile), Narwhal runs under Hypercorn (``narwhal
+serve``) in front of them in ``predictive`` mode, and the load generator
+(:func:`narwhal.bench.load.run_open_loop`) replays the trace open-loop at multiples of the
+engines' capacity. Everything engine-related is ``time_scale`` times slower, so the TTFT budget
+is too: the router runs with ``budget_s * time_scale``, and the capacity is the virtual-time
+measurement divided by the scale.
+
+Before the measured loads, a short warm-up at half the capacity lets the router learn how much
+slower the engines are than their profile says (its prefill forecast's ``scale``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from narwhal.bench import load
+from narwhal.bench.goodput import Bar, Capacity, Check, Outcome, ReplayFigures, evaluate
+from narwhal.bench.goodput import replay_figures as figures_of
+from narwhal.bench.replay import chat_body
+from narwhal.bench.services import Service, free_port, lists_model, start_service, status_ok
+from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate
+from narwhal.config import Config, EngineConfig, config_to_toml
+from narwhal.scheduling.profiles import get_profile
+
+__all__ = ["RealtimeReport", "RealtimeSettings", "outcome_of", "run_realtime"]
+
+Echo = Callable[[str], None]
+
+# Errors of a response that did arrive (status 200) but ended badly.
+_STREAM_ERRORS = frozenset({"no_done", "no_output", "malformed_event"})
+
+
+@attrs.frozen
+class RealtimeSettings:
+    """What shapes the real-time confirmation.
+
+    Attributes:
+        router: the router's configuration (its engines are replaced by the started ones; the
+            mode is ``predictive`` and the budget ``budget_s * time_scale``).
+        capacity: the engines' capacity at time scale 1 (the virtual-time measurement).
+        loads: offered loads, multiples of the scaled capacity.
+        duration_s: wall seconds of load per level.
+        warmup_s: wall seconds of warm-up at half the capacity, not measured.
+        time_scale: the engines' ``--time-scale``.
+        budget_s: the TTFT budget at time scale 1.
+        profile: the engines' profile.
+        trace: the trace's short name.
+        seed: the engines' seeds start here.
+        max_in_flight: the load generator's own limit.
+        startup_timeout_s: how long each process may take to become ready.
+        log_dir: where the processes' logs and the configuration go (a temporary folder when
+            ``None``).
+        warmup_fraction: share of each level's span left out of its goodput window.
+    """
+
+    router: Config
+    capacity: Capacity
+    loads: tuple[float, ...] = (1.0, 2.0)
+    duration_s: float = 120.0
+    warmup_s: float = 20.0
+    time_scale: float = 4.0
+    budget_s: float = 2.0
+    profile: str = "h100-llama3-8b"
+    trace: str = "conv"
+    seed: int = 0
+    max_in_flight: int = 2048
+    startup_timeout_s: float = 60.0
+    log_dir: Path | None = None
+    warmup_fraction: float = 0.1
+
+    @property
+    def scaled_capacity(self) -> Capacity:
+        """The capacity of the slowed engines."""
+        return attrs.evolve(
+            self.capacity,
+            rps=self.capacity.rps / self.time_scale,
+            engine_s_per_s=self.capacity.engine_s_per_s / self.time_scale,
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return {
+            "loads": list(self.loads),
+            "duration_s": self.duration_s,
+            "warmup_s": self.warmup_s,
+            "time_scale": self.time_scale,
+            "budget_s": self.budget_s,
+            "router_budget_s": self.budget_s * self.time_scale,
+            "capacity_rps": self.scaled_capacity.rps,
+            "profile": self.profile,
+            "trace": self.trace,
+            "engines": len(self.router.engines),
+        }
+
+
+@attrs.frozen
+class RealtimeReport:
+    """The real-time confirmation's figures and verdicts."""
+
+    settings: dict[str, Any]
+    runs: tuple[ReplayFigures, ...]
+    checks: tuple[Check, ...]
+    wall_s: float
+
+    @property
+    def passed(self) -> bool:
+        """No verdict failed."""
+        return all(check.passed is not False for check in self.checks)
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return {
+            "settings": self.settings,
+            "runs": [run.as_json() for run in self.runs],
+            "checks": [check.as_json() for check in self.checks],
+            "wall_s": self.wall_s,
+            "passed": self.passed,
+        }
+
+
+def outcome_of(record: load.RequestRecord, row: TraceRequest, origin: float) -> Outcome:
+    """A load generator's record as an :class:`Outcome` (times from ``origin``)."""
+    error = record.error
+    status, code = 200, error
+    if error is None:
+        pass
+    elif error.startswith("http_"):
+        head, _, code = error.partition(":")
+        status = int(head.removeprefix("http_"))
+    elif error.startswith("in_band:"):
+        code = error.removeprefix("in_band:")
+    elif error not in _STREAM_ERRORS:
+        status = 0  # a transport error, or the load generator's own limit: no response
+    arrival = record.sent_s - origin
+    return Outcome(
+        index=row.index,
+        arrival_s=arrival,
+        prompt_tokens=row.prompt_tokens,
+        output_tokens=row.output_tokens,
+        status=status,
+        code=code,
+        ttft_s=record.ttft_s,
+        end_s=None if record.e2e_s is None else arrival + record.e2e_s,
+    )
+
+
+def run_realtime(settings: RealtimeSettings, *, echo: Echo = print) -> RealtimeReport:
+    """Start the processes, replay each load, stop the processes, and return the report.
+
+    Raises:
+        narwhal.bench.services.ServiceError: a process could not start or become ready.
+    """
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if settings.log_dir is not None:
+            log_dir = settings.log_dir
+            log_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nwadm-")))
+        router = _start(settings, log_dir, stack, echo)
+        runs = trio.run(_measure, settings, router.url, echo)
+    bar = Bar(in_budget_loads=tuple(load for load in settings.loads if load >= 2.0))
+    checks = [check for check in evaluate(runs, bar) if not check.name.startswith("TTFT")]
+    return RealtimeReport(
+        settings=settings.as_json(),
+        runs=tuple(runs),
+        checks=tuple(checks),
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def _start(
+    settings: RealtimeSettings, log_dir: Path, stack: contextlib.ExitStack, echo: Echo
+) -> Service:
+    model = settings.router.serving.model
+    engines = []
+    for index, engine in enumerate(settings.router.engines):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "narwhal", "sim", "--bind", f"127.0.0.1:{port}"]
+        argv += ["--model", model, "--dialect", engine.dialect, "--profile", settings.profile]
+        argv += ["--seed", str(settings.seed + index), "--time-scale", f"{settings.time_scale:g}"]
+        service = start_service(engine.name, argv, url=url, log_dir=log_dir)
+        stack.callback(service.stop)
+        engines.append((engine, service))
+    for _, service in engines:
+        service.wait_ready(
+            [("/health", status_ok), ("/v1/models", lists_model(model))],
+            deadline_s=settings.startup_timeout_s,
+        )
+    echo(
+        f"real time: {len(engines)} engines (narwhal sim --profile {settings.profile} "
+        f"--time-scale {settings.time_scale:g}) ready"
+    )
+    admission = attrs.evolve(
+        settings.router.admission,
+        mode="predictive",
+        ttft_budget_s=settings.budget_s * settings.time_scale,
+    )
+    config = attrs.evolve(
+        settings.router,
+        admission=admission,
+        engines=tuple(
+            EngineConfig(
+                name=engine.name,
+                url=service.url,
+                dialect=engine.dialect,
+                profile=engine.profile,
+            )
+            for engine, service in engines
+        ),
+    )
+    path = log_dir / "narwhal.toml"
+    path.write_text(config_to_toml(config))
+    port = free_port()
+    argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(path)]
+    argv += ["--bind", f"127.0.0.1:{port}"]
+    router = start_service("narwhal", argv, url=f"http://127.0.0.1:{port}", log_dir=log_dir)
+    stack.callback(router.stop)
+    router.wait_ready([("/ready", status_ok)], deadline_s=settings.startup_timeout_s)
+    echo(
+        f"real time: narwhal ready on {router.url} (predictive, budget "
+        f"{settings.budget_s * settings.time_scale:g} s)"
+    )
+    return router
+
+
+async def _measure(settings: RealtimeSettings, url: str, echo: Echo) -> list[ReplayFigures]:
+    rows = load_trace(settings.trace)
+    capacity = settings.scaled_capacity
+    budget = settings.budget_s * settings.time_scale
+    profile = get_profile(settings.profile)
+    model = settings.router.serving.model
+    figures: list[ReplayFigures] = []
+    position = 0
+    async with load.ClientPool(timeout_s=600.0) as clients:
+        levels = [(0.5, settings.warmup_s, False)]
+        levels += [(level, settings.duration_s, True) for level in settings.loads]
+        for level, duration, measured in levels:
+            if duration <= 0:
+                continue
+            rate = capacity.rps * level
+            count = max(2, round(rate * duration))
+            chunk = rows[position : position + count]
+            if len(chunk) < count:  # wrap around the trace
+                chunk = rows[:count]
+                position = 0
+            position += count
+            scaled = scale_to_rate(chunk, rate)
+
+            def body_for(number: int, scaled: list[TraceRequest] = scaled) -> bytes:
+                return chat_body(model, scaled[number], max_tokens=2048)
+
+            wall = time.perf_counter()
+            records = await load.run_open_loop(
+                clients,
+                url + "/v1/chat/completions",
+                body_for,
+                arrivals_s=[row.arrival_s for row in scaled],
+                max_in_flight=settings.max_in_flight,
+            )
+            wall = time.perf_counter() - wall
+            if not measured:
+                echo(f"real time: warm-up at 0.5x done ({len(records)} requests, {wall:.0f} s)")
+                continue
+            origin = min(record.sent_s for record in records)
+            outcomes = sorted(
+                (outcome_of(record, scaled[record.index], origin) for record in records),
+                key=lambda outcome: outcome.arrival_s,
+            )
+            figure = figures_of(
+                outcomes,
+                load=level,
+                mode="predictive",
+                budget_s=budget,
+                offered_rps=rate,
+                capacity=capacity,
+                profile=profile,
+                warmup_fraction=settings.warmup_fraction,
+                wall_s=wall,
+                virtual_s=wall,
+            )
+            figures.append(figure)
+            echo(
+                f"real time: {level:g}x: {figure.offered} offered, "
+                f"{_pct(figure.admitted_fraction)} admitted, {_pct(figure.in_budget_fraction)} "
+                f"in budget, goodput {_pct(figure.goodput_ratio)} of bound ({wall:.0f} s)"
+            )
+    return figures
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.1f} %"

@@ -1,0 +1,200 @@
+"""The admission benchmark's report: what it holds, and how it prints (pure).
+
+One :class:`AdmissionReport` renders as the printed tables (:meth:`AdmissionReport.render`) and
+as the JSON report (:meth:`AdmissionReport.as_json`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from narwhal.bench.goodput import REFUSAL_CODES, REJECTION_CODES, Capacity, Check, ReplayFigures
+from narwhal.bench.replay import MemoryResult
+
+__all__ = ["AdmissionReport", "render_checks", "render_runs"]
+
+
+@attrs.frozen
+class AdmissionReport:
+    """The whole result: figures, verdicts, wall times.
+
+    Attributes:
+        settings: the settings, as JSON values.
+        environment: CPU cores, versions.
+        trace: the replayed trace's size (requests, span, mean rate).
+        capacity: the engines' capacity.
+        runs: one per load and mode.
+        memory: the memory measurement, if taken.
+        checks: the verdicts.
+        wall_s: wall-clock seconds by phase (``capacity``, ``replay``, ``false_refusals``,
+            ``memory``, ``total``).
+    """
+
+    settings: dict[str, Any]
+    environment: dict[str, Any]
+    trace: dict[str, Any]
+    capacity: Capacity
+    runs: tuple[ReplayFigures, ...]
+    memory: MemoryResult | None
+    checks: tuple[Check, ...]
+    wall_s: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        """No verdict failed."""
+        return all(check.passed is not False for check in self.checks)
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON report."""
+        return {
+            "settings": self.settings,
+            "environment": self.environment,
+            "trace": self.trace,
+            "capacity": self.capacity.as_json(),
+            "runs": [run.as_json() for run in self.runs],
+            "memory": None if self.memory is None else self.memory.as_json(),
+            "checks": [check.as_json() for check in self.checks],
+            "wall_s": self.wall_s,
+            "passed": self.passed,
+        }
+
+    def render(self) -> str:
+        """The printed report."""
+        return "\n".join(render_report(self))
+
+
+def _pct(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value * 100:.{digits}f}%"
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _count(outcomes: Mapping[str, int], codes: Iterable[str]) -> int:
+    wanted = set(codes)
+    return sum(n for label, n in outcomes.items() if label.split(" ")[-1] in wanted)
+
+
+def _status(outcomes: Mapping[str, int], status: str) -> int:
+    return sum(n for label, n in outcomes.items() if label.split(" ")[0] == status)
+
+
+_RUN_HEADER = (
+    f"{'load':>5} {'mode':<10} {'offered':>7} {'req/s':>6} {'admit':>7} {'in-bgt':>7} "
+    f"{'goodput':>7} {'bound':>6} {'ratio':>6} {'eng':>6} {'p50 s':>6} {'p99 s':>6} "
+    f"{'refused':>7} {'429cap':>6} {'503':>4} {'504':>5} {'false':>6} {'pred':>11}"
+)
+
+
+def render_runs(runs: Sequence[ReplayFigures]) -> list[str]:
+    """One line per run, then each run's outcomes by reason."""
+    lines = [_RUN_HEADER]
+    for run in runs:
+        false = run.false_refusals
+        false_text = "-"
+        if false is not None and false.sampled:
+            false_text = f"{len(false.met_budget)}/{len(false.sampled)}"
+        elif false is not None:
+            false_text = "0/0"
+        prediction = run.placement
+        pred_text = (
+            "-"
+            if prediction.median_abs is None or prediction.p90_abs is None
+            else f"{_pct(prediction.median_abs, 0)}/{_pct(prediction.p90_abs, 0)}"
+        )
+        lines.append(
+            f"{run.load:>4g}x {run.mode:<10} {run.offered:>7} {run.offered_rps:>6.1f} "
+            f"{_pct(run.admitted_fraction):>7} {_pct(run.in_budget_fraction):>7} "
+            f"{run.goodput_rps:>7.2f} {run.bound_rps:>6.2f} {_pct(run.goodput_ratio):>6} "
+            f"{_pct(run.goodput_engine_ratio):>6} {_seconds(run.ttft_p50_s):>6} "
+            f"{_seconds(run.ttft_p99_s):>6} {_count(run.outcomes, REFUSAL_CODES):>7} "
+            f"{_count(run.outcomes, REJECTION_CODES):>6} {_status(run.outcomes, '503'):>4} "
+            f"{_status(run.outcomes, '504'):>5} {false_text:>6} {pred_text:>11}"
+        )
+    return lines
+
+
+def render_checks(checks: Sequence[Check]) -> list[str]:
+    """The verdicts, predictive figure first and open mode's beside it."""
+    width = max((len(check.name) for check in checks), default=10)
+    lines = [f"{'check':<{width}}  {'predictive':>10}  {'target':>9}  {'open':>8}  verdict"]
+    for check in checks:
+        lines.append(
+            f"{check.name:<{width}}  {check.measured:>10}  {check.target:>9}  "
+            f"{check.open_mode or '-':>8}  {check.verdict}"
+        )
+    return lines
+
+
+def render_report(report: AdmissionReport) -> list[str]:
+    """The whole printed report."""
+    settings = report.settings
+    capacity: Capacity = report.capacity
+    trace = report.trace
+    lines = [
+        "narwhal bench admission (virtual time: router and simulated engines under the "
+        "MockClock, seeded)",
+        f"engines: {settings['engines']} x {settings['profile']} (vllm dialect, continuous "
+        f"batching); TTFT budget {settings['budget_s']:g} s; seed {settings['seed']}",
+        f"trace: {trace['name']}, {trace['requests']} requests over {trace['span_s']:.0f} s of "
+        f"trace ({trace['mean_rate']:.2f} req/s), replayed whole at each load (time axis scaled)",
+    ]
+    if capacity.measured:
+        lines.append(
+            f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "
+            f"(closed loop of {capacity.concurrency} through the router, open, limits lifted; "
+            f"{capacity.completed} completions in {capacity.window_s:g} s; mean batch "
+            f"{_number(capacity.mean_batch)} per engine)"
+        )
+    else:
+        lines.append(
+            f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "
+            "(given, not measured)"
+        )
+    lines += ["", *render_runs(report.runs), ""]
+    lines += [
+        "admit: admitted / offered; in-bgt: admitted with TTFT <= budget / admitted; goodput: "
+        "in-budget completions per second over the window; bound: min(offered, capacity); "
+        "ratio / eng: goodput / bound in requests / engine time; p50, p99: TTFT of admitted "
+        "requests; refused: 429 ttft_budget_exceeded + prompt_exceeds_ttft_budget; 429cap: "
+        "queue or retention full; false: refused requests forced in that met the budget / "
+        "sampled; pred: router TTFT prediction error at placement, median / p90.",
+        "",
+    ]
+    for run in report.runs:
+        if run.mode != "predictive":
+            continue
+        projection = run.projection
+        if projection.median_abs is not None:
+            lines.append(
+                f"{run.load:g}x predictive: admission projection error median "
+                f"{_pct(projection.median_abs)}, p90 {_pct(projection.p90_abs)}, bias "
+                f"{_pct(projection.median_signed)} (projected vs observed TTFT, admitted)"
+            )
+    lines += ["", *render_checks(report.checks)]
+    if report.memory is not None:
+        memory = report.memory
+        lines.append(
+            f"memory: {memory.retained} retained ({memory.placed} on the engines, "
+            f"{memory.queued} queued): RSS {memory.before / 1e6:.0f} MB -> "
+            f"{memory.holding / 1e6:.0f} MB (+{memory.added / 1e6:.1f} MB; router, engines and "
+            "client in one process)"
+        )
+    wall = report.wall_s
+    lines += [
+        "",
+        "wall time: "
+        + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in wall.items())
+        + f" ({report.environment.get('cpu_cores')} CPU cores, {settings['jobs']} worker "
+        "processes)",
+        f"verdict: {'PASS' if report.passed else 'FAIL'}",
+    ]
+    return lines
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"

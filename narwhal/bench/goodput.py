@@ -1,0 +1,632 @@
+"""The admission benchmark's arithmetic (pure: no I/O, no clock).
+
+What one replayed request became is an :class:`Outcome`; a run's outcomes turn into the
+figures the report prints (:func:`replay_figures`): the offered load, what was admitted, what
+met the TTFT budget, the goodput against its bound, the TTFT percentiles, the refusals by
+reason, and the error of the router's TTFT predictions. :func:`evaluate` turns figures into the
+quality bar's verdicts.
+
+Definitions (``benchmarks/README.md`` says the same for readers of the report):
+
+* **admitted**: passed admission, i.e. was not refused (429 ``ttft_budget_exceeded`` or
+  ``prompt_exceeds_ttft_budget``), rejected (429 ``admission_queue_full`` or
+  ``http_retention_full``), invalid, or unavailable (503). A request admitted and then expired
+  in the queue (504) counts as admitted and outside the budget.
+* **in budget**: admitted, with its first output event at most ``budget`` seconds after it was
+  sent.
+* **goodput**: requests in budget *and* completed, per second, among those arriving in the
+  measurement window (the replay's span after a warm-up, while the engines fill); **engine
+  goodput** is the same in engine seconds (:func:`engine_seconds`) per second. Counting by
+  arrival makes a light load exact (every request arriving in the window counts once, however
+  late it completes); under overload the router can only admit what the engines complete, so
+  it measures their in-budget throughput.
+* **bound**: ``min(offered, capacity)`` over the same window, in requests and in engine seconds
+  per second: no policy can deliver more in-budget work than is offered, nor more than the
+  engines can complete.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from narwhal.bench.load import percentile
+from narwhal.scheduling.profiles import EngineProfile
+
+__all__ = [
+    "REFUSAL_CODES",
+    "REJECTION_CODES",
+    "Bar",
+    "Capacity",
+    "Check",
+    "FalseRefusals",
+    "Outcome",
+    "PredictionError",
+    "ReplayFigures",
+    "Window",
+    "bound",
+    "engine_seconds",
+    "evaluate",
+    "outcome_label",
+    "replay_figures",
+    "safe_ratio",
+]
+
+REFUSAL_CODES = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"})
+"""The two refusals of predictive admission (counted as ``refused``)."""
+
+REJECTION_CODES = frozenset({"admission_queue_full", "http_retention_full"})
+"""The capacity rejections (counted as ``rejected``)."""
+
+
+@attrs.frozen(slots=True)
+class Outcome:
+    """What one replayed request became. Times are virtual seconds from the replay's start.
+
+    Attributes:
+        index: the request's row in the trace.
+        arrival_s: when it was sent.
+        prompt_tokens: its prompt's length.
+        output_tokens: its output's length.
+        status: the HTTP status (0: no response at all).
+        code: the error code (the envelope's ``code``, an in-band error's, or a short kind such
+            as ``no_done``); ``None`` for a complete stream.
+        ttft_s: arrival to the first output event, if one came.
+        end_s: when ``data: [DONE]`` came, if it did.
+        projected_ttft_s: predictive admission's projection when the request arrived.
+        placement_ttft_s: the router's prediction at placement (arrival to the predicted first
+            token), reported with the first output.
+        router_ttft_s: the TTFT the router measured (arrival at the router to first output).
+    """
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    status: int
+    code: str | None
+    ttft_s: float | None
+    end_s: float | None
+    projected_ttft_s: float | None = None
+    placement_ttft_s: float | None = None
+    router_ttft_s: float | None = None
+
+    @property
+    def refused(self) -> bool:
+        """Refused by predictive admission."""
+        return self.status == 429 and self.code in REFUSAL_CODES
+
+    @property
+    def admitted(self) -> bool:
+        """Passed admission (served, failed, or expired in the queue after admission)."""
+        return self.status not in (0, 429, 503) and not 400 <= self.status < 500
+
+    @property
+    def completed(self) -> bool:
+        """Streamed to the end without error."""
+        return self.status == 200 and self.code is None
+
+    def in_budget(self, budget_s: float) -> bool:
+        """Admitted, with its first output within ``budget_s``."""
+        return self.admitted and self.ttft_s is not None and self.ttft_s <= budget_s
+
+
+def outcome_label(outcome: Outcome) -> str:
+    """``200``, or the status and code of a failure (``429 ttft_budget_exceeded``)."""
+    if outcome.completed:
+        return "200"
+    return f"{outcome.status} {outcome.code}" if outcome.code else str(outcome.status)
+
+
+def engine_seconds(profile: EngineProfile, prompt_tokens: int, output_tokens: int) -> float:
+    """The engine time a request costs at the engines' saturation point, in seconds.
+
+    Its prompt's prefill work (``prefill_chunk_ms``: the per-token and attention terms; the
+    fixed cost of a prefill step is not paid while decodes run) plus, for each output token after
+    the first, its share of a decode step in a full batch: ``s_d`` and ``k_d`` times its mean
+    context, and the step's fixed cost ``a_d`` split over ``max_num_seqs`` sequences. The same
+    formula weighs the offered load, the capacity and the goodput, so their ratios compare like
+    with like.
+    """
+    prefill_ms = profile.prefill_chunk_ms(0, prompt_tokens)
+    steps = max(0, output_tokens - 1)
+    context = prompt_tokens + output_tokens / 2
+    per_step_ms = (
+        profile.decode_base_ms / profile.max_num_seqs
+        + profile.decode_per_seq_ms
+        + profile.decode_per_kv_token_ms * context
+    )
+    return (prefill_ms + steps * per_step_ms) / 1000
+
+
+def safe_ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, ``None`` when either is missing or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def bound(offered: float, capacity: float) -> float:
+    """``min(offered, capacity)``: the most in-budget work any policy can deliver."""
+    return min(offered, capacity)
+
+
+@attrs.frozen
+class Capacity:
+    """The engines' measured capacity: completions per second at saturation.
+
+    Attributes:
+        rps: requests completed per second.
+        engine_s_per_s: engine seconds (:func:`engine_seconds`) completed per second.
+        window_s: the measured window (virtual seconds), after the warm-up.
+        completed: requests completed in the window.
+        concurrency: requests kept in flight.
+        mean_batch: the engines' mean running batch, per engine, sampled over the window.
+        ttft_p50_s: median TTFT of the window's requests (for the reader: queueing at
+            saturation).
+        measured: ``False`` when the capacity was given rather than measured.
+    """
+
+    rps: float
+    engine_s_per_s: float
+    window_s: float = 0.0
+    completed: int = 0
+    concurrency: int = 0
+    mean_batch: float | None = None
+    ttft_p50_s: float | None = None
+    measured: bool = True
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Window:
+    """The measurement window of a replay: from the end of the warm-up to the last arrival."""
+
+    start_s: float
+    end_s: float
+
+    @property
+    def length_s(self) -> float:
+        """Its length in seconds."""
+        return max(0.0, self.end_s - self.start_s)
+
+    def holds(self, at: float | None) -> bool:
+        """Whether time ``at`` falls inside it."""
+        return at is not None and self.start_s <= at <= self.end_s
+
+    @classmethod
+    def of(cls, outcomes: Sequence[Outcome], warmup_fraction: float) -> Window:
+        """The window of a run: its span with the first ``warmup_fraction`` of it left out."""
+        if not outcomes:
+            return cls(0.0, 0.0)
+        first = min(outcome.arrival_s for outcome in outcomes)
+        last = max(outcome.arrival_s for outcome in outcomes)
+        return cls(first + (last - first) * warmup_fraction, last)
+
+
+@attrs.frozen
+class PredictionError:
+    """Relative error of TTFT predictions: ``(predicted - observed) / observed``.
+
+    Attributes:
+        count: predictions compared.
+        median_abs: median of the absolute relative errors.
+        p90_abs: their 90th percentile.
+        median_signed: median of the signed errors (> 0: the router predicts too long).
+    """
+
+    count: int
+    median_abs: float | None
+    p90_abs: float | None
+    median_signed: float | None
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[float, float]]) -> PredictionError:
+        """From ``(predicted, observed)`` pairs; pairs with an observed time <= 0 are skipped."""
+        errors = [(p - o) / o for p, o in pairs if o > 0]
+        if not errors:
+            return cls(0, None, None, None)
+        absolute = [abs(error) for error in errors]
+        return cls(
+            count=len(errors),
+            median_abs=percentile(absolute, 50),
+            p90_abs=percentile(absolute, 90),
+            median_signed=percentile(errors, 50),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class FalseRefusals:
+    """Refused requests forced in on the same seeded run: would they have met the budget?
+
+    Attributes:
+        refused: requests refused by predictive admission in the run.
+        offered: requests offered in the run.
+        sampled: indices of the refused requests forced in, one rerun each.
+        met_budget: of those, the ones whose TTFT, forced in, was within the budget.
+        ttfts_s: the forced-in TTFTs, by index (``None``: no first output).
+    """
+
+    refused: int
+    offered: int
+    sampled: tuple[int, ...] = ()
+    met_budget: tuple[int, ...] = ()
+    ttfts_s: Mapping[int, float | None] = attrs.field(factory=dict)
+
+    @property
+    def false_share(self) -> float | None:
+        """The share of sampled refusals that were false (``None`` without a sample)."""
+        return safe_ratio(len(self.met_budget), len(self.sampled))
+
+    @property
+    def rate(self) -> float:
+        """Estimated false refusals as a share of the offered requests.
+
+        ``refused / offered * false_share``; 0 when nothing was refused.
+        """
+        if self.refused == 0 or self.offered == 0:
+            return 0.0
+        share = self.false_share
+        return 0.0 if share is None else self.refused / self.offered * share
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return {
+            "refused": self.refused,
+            "offered": self.offered,
+            "sampled": list(self.sampled),
+            "met_budget": list(self.met_budget),
+            "ttfts_s": {str(index): ttft for index, ttft in self.ttfts_s.items()},
+            "false_share": self.false_share,
+            "rate": self.rate,
+        }
+
+
+@attrs.frozen
+class ReplayFigures:
+    """What one replay (one load, one mode) measured.
+
+    Attributes:
+        load: the offered load as a multiple of the capacity.
+        mode: ``predictive`` or ``open``.
+        budget_s: the TTFT budget.
+        offered: requests sent.
+        offered_rps: their mean rate (the trace's, scaled).
+        admitted: requests admitted (see the module doc).
+        in_budget: admitted requests whose first output came within the budget.
+        completed: requests streamed to the end.
+        window: the measurement window.
+        goodput_rps: in-budget completions per second, of the requests arriving in the window.
+        goodput_engine: their engine seconds per second.
+        bound_rps: ``min(offered, capacity)`` over the window, in requests per second.
+        bound_engine: the same in engine seconds per second.
+        ttft_p50_s: median TTFT of the admitted requests that got a first output.
+        ttft_p99_s: their 99th percentile.
+        outcomes: requests by outcome (``200``, ``429 ttft_budget_exceeded``, ``504 ...``).
+        projection: error of predictive admission's projections (admitted requests).
+        placement: error of the router's placement predictions (its
+            ``narwhal_predicted_ttft_error_ratio``).
+        books: the router's own counters at the end (``offered``, each terminal class,
+            ``in_flight``).
+        false_refusals: the forced-in sample, when one was taken.
+        wall_s: wall-clock seconds the replay took.
+        virtual_s: virtual seconds it spanned.
+        placement_pairs: ``(predicted, observed)`` placement TTFTs, to pool runs' errors (not
+            in the JSON).
+    """
+
+    load: float
+    mode: str
+    budget_s: float
+    offered: int
+    offered_rps: float
+    admitted: int
+    in_budget: int
+    completed: int
+    window: Window
+    goodput_rps: float
+    goodput_engine: float
+    bound_rps: float
+    bound_engine: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    outcomes: Mapping[str, int]
+    projection: PredictionError
+    placement: PredictionError
+    books: Mapping[str, int] = attrs.field(factory=dict)
+    false_refusals: FalseRefusals | None = None
+    wall_s: float = 0.0
+    virtual_s: float = 0.0
+    placement_pairs: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def admitted_fraction(self) -> float | None:
+        """Admitted over offered."""
+        return safe_ratio(self.admitted, self.offered)
+
+    @property
+    def in_budget_fraction(self) -> float | None:
+        """In budget over admitted."""
+        return safe_ratio(self.in_budget, self.admitted)
+
+    @property
+    def goodput_ratio(self) -> float | None:
+        """Goodput over its bound, in requests."""
+        return safe_ratio(self.goodput_rps, self.bound_rps)
+
+    @property
+    def goodput_engine_ratio(self) -> float | None:
+        """Goodput over its bound, in engine time."""
+        return safe_ratio(self.goodput_engine, self.bound_engine)
+
+    @property
+    def refused(self) -> int:
+        """Requests refused by predictive admission."""
+        return sum(
+            count for label, count in self.outcomes.items() if label.split(" ")[-1] in REFUSAL_CODES
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return {
+            "load": self.load,
+            "mode": self.mode,
+            "budget_s": self.budget_s,
+            "offered": self.offered,
+            "offered_rps": self.offered_rps,
+            "admitted": self.admitted,
+            "admitted_fraction": self.admitted_fraction,
+            "in_budget": self.in_budget,
+            "in_budget_fraction": self.in_budget_fraction,
+            "completed": self.completed,
+            "window_s": [self.window.start_s, self.window.end_s],
+            "goodput_rps": self.goodput_rps,
+            "goodput_engine_s_per_s": self.goodput_engine,
+            "bound_rps": self.bound_rps,
+            "bound_engine_s_per_s": self.bound_engine,
+            "goodput_ratio": self.goodput_ratio,
+            "goodput_engine_ratio": self.goodput_engine_ratio,
+            "ttft_p50_s": self.ttft_p50_s,
+            "ttft_p99_s": self.ttft_p99_s,
+            "outcomes": dict(self.outcomes),
+            "projection_error": self.projection.as_json(),
+            "placement_error": self.placement.as_json(),
+            "books": dict(self.books),
+            "false_refusals": None
+            if self.false_refusals is None
+            else self.false_refusals.as_json(),
+            "wall_s": self.wall_s,
+            "virtual_s": self.virtual_s,
+        }
+
+
+def replay_figures(
+    outcomes: Sequence[Outcome],
+    *,
+    load: float,
+    mode: str,
+    budget_s: float,
+    offered_rps: float,
+    capacity: Capacity,
+    profile: EngineProfile,
+    warmup_fraction: float = 0.1,
+    books: Mapping[str, int] | None = None,
+    wall_s: float = 0.0,
+    virtual_s: float = 0.0,
+) -> ReplayFigures:
+    """The figures of one replay (see the module doc for the definitions)."""
+    window = Window.of(outcomes, warmup_fraction)
+    admitted = [outcome for outcome in outcomes if outcome.admitted]
+    good = [
+        outcome
+        for outcome in admitted
+        if outcome.completed and outcome.in_budget(budget_s) and window.holds(outcome.arrival_s)
+    ]
+    arriving = [outcome for outcome in outcomes if window.holds(outcome.arrival_s)]
+    length = window.length_s
+    goodput_rps = len(good) / length if length > 0 else 0.0
+    goodput_engine = _engine_total(profile, good) / length if length > 0 else 0.0
+    offered_in_window = len(arriving) / length if length > 0 else offered_rps
+    offered_engine = _engine_total(profile, arriving) / length if length > 0 else 0.0
+    ttfts = [outcome.ttft_s for outcome in admitted if outcome.ttft_s is not None]
+    placement = tuple(
+        (outcome.placement_ttft_s, outcome.router_ttft_s)
+        for outcome in admitted
+        if outcome.placement_ttft_s is not None and outcome.router_ttft_s is not None
+    )
+    return ReplayFigures(
+        load=load,
+        mode=mode,
+        budget_s=budget_s,
+        offered=len(outcomes),
+        offered_rps=offered_rps,
+        admitted=len(admitted),
+        in_budget=sum(1 for outcome in admitted if outcome.in_budget(budget_s)),
+        completed=sum(1 for outcome in outcomes if outcome.completed),
+        window=window,
+        goodput_rps=goodput_rps,
+        goodput_engine=goodput_engine,
+        bound_rps=bound(offered_in_window, capacity.rps),
+        bound_engine=bound(offered_engine, capacity.engine_s_per_s),
+        ttft_p50_s=percentile(ttfts, 50) if ttfts else None,
+        ttft_p99_s=percentile(ttfts, 99) if ttfts else None,
+        outcomes=dict(Counter(outcome_label(outcome) for outcome in outcomes).most_common()),
+        projection=PredictionError.of(
+            (outcome.projected_ttft_s, outcome.router_ttft_s)
+            for outcome in admitted
+            if outcome.projected_ttft_s is not None and outcome.router_ttft_s is not None
+        ),
+        placement=PredictionError.of(placement),
+        books=dict(books or {}),
+        wall_s=wall_s,
+        virtual_s=virtual_s,
+        placement_pairs=placement,
+    )
+
+
+def _engine_total(profile: EngineProfile, outcomes: Iterable[Outcome]) -> float:
+    return sum(engine_seconds(profile, o.prompt_tokens, o.output_tokens) for o in outcomes)
+
+
+@attrs.frozen
+class Bar:
+    """The quality bar's targets.
+
+    Attributes:
+        goodput_ratio: least goodput over its bound, in requests and in engine time, at every
+            load (predictive mode).
+        in_budget_fraction: least share of admitted requests inside the budget, at the loads
+            of ``in_budget_loads``.
+        in_budget_loads: where the in-budget target applies (overload).
+        false_refusal_rate: most estimated false refusals, as a share of offered, at the
+            loads of ``false_refusal_loads``.
+        false_refusal_loads: where the false-refusal target applies (light load).
+        prediction_median: most median absolute TTFT prediction error.
+        prediction_p90: most 90th-percentile absolute TTFT prediction error.
+        memory_bytes: most memory added by the retention and queue limits, full.
+    """
+
+    goodput_ratio: float = 0.90
+    in_budget_fraction: float = 0.99
+    in_budget_loads: tuple[float, ...] = (2.0, 3.0)
+    false_refusal_rate: float = 0.01
+    false_refusal_loads: tuple[float, ...] = (0.5,)
+    prediction_median: float = 0.10
+    prediction_p90: float = 0.25
+    memory_bytes: int = 100_000_000
+
+
+@attrs.frozen
+class Check:
+    """One verdict.
+
+    Attributes:
+        name: what is checked.
+        passed: ``True``, ``False``, or ``None`` when it could not be measured (skipped).
+        measured: the predictive figure, as printed.
+        open_mode: the same figure in open mode, for comparison (``None`` where it has none).
+        target: the target, as printed.
+    """
+
+    name: str
+    passed: bool | None
+    measured: str
+    target: str
+    open_mode: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """``PASS``, ``FAIL`` or ``SKIP``."""
+        return "SKIP" if self.passed is None else ("PASS" if self.passed else "FAIL")
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return {**attrs.asdict(self), "verdict": self.verdict}
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.1f} %"
+
+
+def evaluate(
+    runs: Sequence[ReplayFigures],
+    bar: Bar,
+    *,
+    memory_added_bytes: int | None = None,
+) -> list[Check]:
+    """The quality bar's verdicts for predictive mode, open mode's figures beside them."""
+    predictive = {run.load: run for run in runs if run.mode == "predictive"}
+    open_mode = {run.load: run for run in runs if run.mode == "open"}
+    checks: list[Check] = []
+    for load, run in sorted(predictive.items()):
+        other = open_mode.get(load)
+        for name, value, other_value in (
+            (
+                "goodput / bound (requests)",
+                run.goodput_ratio,
+                None if other is None else other.goodput_ratio,
+            ),
+            (
+                "goodput / bound (engine time)",
+                run.goodput_engine_ratio,
+                None if other is None else other.goodput_engine_ratio,
+            ),
+        ):
+            checks.append(
+                Check(
+                    f"{name} at {load:g}x",
+                    None if value is None else value >= bar.goodput_ratio,
+                    _pct(value),
+                    f">= {_pct(bar.goodput_ratio)}",
+                    None if other is None else _pct(other_value),
+                )
+            )
+        if load in bar.in_budget_loads:
+            value = run.in_budget_fraction
+            checks.append(
+                Check(
+                    f"admitted in budget at {load:g}x",
+                    None if value is None else value >= bar.in_budget_fraction,
+                    _pct(value),
+                    f">= {_pct(bar.in_budget_fraction)}",
+                    None if other is None else _pct(other.in_budget_fraction),
+                )
+            )
+        if load in bar.false_refusal_loads:
+            false = run.false_refusals
+            rate = None if false is None else false.rate
+            checks.append(
+                Check(
+                    f"false refusals at {load:g}x (share of offered)",
+                    None if rate is None else rate <= bar.false_refusal_rate,
+                    _pct(rate),
+                    f"<= {_pct(bar.false_refusal_rate)}",
+                )
+            )
+    pooled = PredictionError.of(_placement_pairs(predictive.values()))
+    pooled_open = PredictionError.of(_placement_pairs(open_mode.values()))
+    checks.append(
+        Check(
+            "TTFT prediction, median abs error",
+            None if pooled.median_abs is None else pooled.median_abs <= bar.prediction_median,
+            _pct(pooled.median_abs),
+            f"<= {_pct(bar.prediction_median)}",
+            _pct(pooled_open.median_abs) if open_mode else None,
+        )
+    )
+    checks.append(
+        Check(
+            "TTFT prediction, p90 abs error",
+            None if pooled.p90_abs is None else pooled.p90_abs <= bar.prediction_p90,
+            _pct(pooled.p90_abs),
+            f"<= {_pct(bar.prediction_p90)}",
+            _pct(pooled_open.p90_abs) if open_mode else None,
+        )
+    )
+    if memory_added_bytes is not None:
+        checks.append(
+            Check(
+                "memory, 1024 retained / 256 queued",
+                memory_added_bytes <= bar.memory_bytes,
+                f"{memory_added_bytes / 1e6:.1f} MB",
+                f"<= {bar.memory_bytes / 1e6:.0f} MB",
+            )
+        )
+    return checks
+
+
+def _placement_pairs(runs: Iterable[ReplayFigures]) -> list[tuple[float, float]]:
+    pairs: list[tuple[float, float]] = []
+    for run in runs:
+        pairs.extend(run.placement_pairs)
+    return pairs

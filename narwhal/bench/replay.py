@@ -1,0 +1,633 @@
+"""The admission benchmark's virtual-time runs: capacity, trace replay, forced-in reruns, memory.
+
+Each run is one ``trio.run`` under ``MockClock(autojump_threshold=0)`` with a fleet of
+:mod:`narwhal.bench.inprocess` (the router in front of simulated engines, no sockets). Trio's
+scheduler breaks ties between tasks woken at the same instant at random; the runs seed that
+choice (:func:`seed_scheduler`), so a run is a pure function of its inputs and a rerun with one
+request forced in diverges from the original only where that request changes something.
+
+What the benchmark needs to see inside the router it reads through two harness-side hooks,
+installed for the run only and never part of the product (:func:`_hooks`):
+
+* predictive admission's budget check (``narwhal.web.completions.check_budget``) is wrapped to
+  record each request's projected TTFT, and to let the one *forced* request through whatever
+  its projection (the false-refusal reruns);
+* the router's TTFT and prediction-ratio histograms are wrapped to record, per request, the TTFT
+  the router measured and the TTFT it predicted at placement.
+
+Each request's task carries its own record in a context variable, which the router's tasks for
+that request inherit (Trio copies the spawning task's context), so the hooks know whose
+projection they see.
+
+Every function here takes and returns plain, picklable values, so the runs can go to worker
+processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import gc
+import os
+import random
+import time
+from collections.abc import Iterator
+from functools import partial
+from typing import Any, Literal
+
+import attrs
+import httpx
+import orjson
+import trio
+import trio.testing
+
+from narwhal.bench import procstat
+from narwhal.bench.goodput import Capacity, Outcome, engine_seconds
+from narwhal.bench.inprocess import InProcessFleet, open_fleet
+from narwhal.bench.load import StreamTimer, percentile
+from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncate
+from narwhal.config import Config, EngineConfig, ServingConfig, UpstreamConfig
+from narwhal.errors import PredictiveRefusal
+from narwhal.scheduling.profiles import get_profile
+from narwhal.web import completions
+
+__all__ = [
+    "CapacityJob",
+    "MemoryJob",
+    "MemoryResult",
+    "ReplayJob",
+    "ReplayResult",
+    "VirtualSetup",
+    "chat_body",
+    "measure_capacity",
+    "measure_memory",
+    "run_replay",
+    "seed_scheduler",
+]
+
+Mode = Literal["open", "predictive"]
+
+_PATH = "/v1/chat/completions"
+_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+_ERROR_BODY_LIMIT = 65536
+
+
+@attrs.frozen
+class VirtualSetup:
+    """What every virtual-time run of one benchmark shares.
+
+    Attributes:
+        router: the router's configuration (its engines are the simulated ones); each run sets
+            the admission mode and the budget.
+        profile: the simulated engines' profile.
+        seed: seeds the engines, the scheduler and the sampling.
+        tokens_per_chunk: tokens per streamed chunk after the first (the first goes alone).
+        max_tokens: the ``max_tokens`` every request sends (the trace sets the real length).
+        trace: the trace's short name.
+        duration_s: seconds of trace replayed (trace time); ``None``: all of it.
+    """
+
+    router: Config
+    profile: str = "h100-llama3-8b"
+    seed: int = 0
+    tokens_per_chunk: int = 16
+    max_tokens: int = 2048
+    trace: str = "conv"
+    duration_s: float | None = None
+
+    def rows(self) -> list[TraceRequest]:
+        """The trace rows replayed (unscaled)."""
+        rows = load_trace(self.trace)
+        return rows if self.duration_s is None else truncate(rows, self.duration_s)
+
+    def config(self, mode: Mode, budget_s: float) -> Config:
+        """The router's configuration for one run."""
+        admission = attrs.evolve(self.router.admission, mode=mode, ttft_budget_s=budget_s)
+        return attrs.evolve(self.router, admission=admission)
+
+
+def default_router(
+    engines: int = 2, *, model: str = "llama-3.1-8b-instruct", profile: str = "h100-llama3-8b"
+) -> Config:
+    """The router the benchmark measures: the shipped defaults, ``engines`` vLLM engines."""
+    return Config(
+        serving=ServingConfig(model=model),
+        upstream=UpstreamConfig(read_timeout_s=600),
+        engines=tuple(
+            EngineConfig(
+                name=f"engine-{chr(ord('a') + index)}",
+                url=f"http://engine-{chr(ord('a') + index)}.sim",
+                profile=profile,
+            )
+            for index in range(engines)
+        ),
+    )
+
+
+def chat_body(model: str, row: TraceRequest, *, max_tokens: int, extra: Any = None) -> bytes:
+    """A streaming chat request of the row's exact prompt and output lengths.
+
+    The prompt is four characters per token, which is what the router's estimate assumes
+    without a tokenizer, and the simulator's directives fix both lengths exactly.
+    """
+    directives: dict[str, Any] = {
+        "prompt_tokens": row.prompt_tokens,
+        "output_tokens": row.output_tokens,
+    }
+    if extra:
+        directives.update(extra)
+    return orjson.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "abcd" * row.prompt_tokens}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "narwhal_sim": directives,
+        }
+    )
+
+
+def seed_scheduler(seed: int) -> bool:
+    """Seed Trio's tie-breaking among tasks woken together; ``False`` if this Trio has none.
+
+    Trio reverses each batch of runnable tasks at random (so that no order is relied on); its
+    generator is module state that Trio seeds itself only under Hypothesis. Seeding it makes a
+    virtual-time run reproducible, which the forced-in reruns depend on.
+    """
+    from trio._core import _run
+
+    generator = getattr(_run, "_r", None)
+    if not isinstance(generator, random.Random):
+        return False
+    generator.seed(seed)
+    return True
+
+
+def _run_virtual(function: Any, seed: int) -> Any:
+    seed_scheduler(seed)
+    return trio.run(function, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- the hooks ----------------------------------------------------------------------------------
+
+
+@attrs.define
+class _Probe:
+    """What the hooks saw of one request."""
+
+    forced: bool = False
+    projected_ttft_s: float | None = None
+    would_refuse: bool = False
+    router_ttft_s: float | None = None
+    placement_ttft_s: float | None = None
+
+
+_PROBE: contextvars.ContextVar[_Probe | None] = contextvars.ContextVar(
+    "narwhal_bench_probe", default=None
+)
+
+
+class _TTFTRecorder:
+    """Stands in for the router's TTFT histogram: records into the request's probe."""
+
+    def __init__(self, histogram: Any) -> None:
+        self._histogram = histogram
+
+    def observe(self, value: float) -> None:
+        probe = _PROBE.get()
+        if probe is not None:
+            probe.router_ttft_s = value
+        self._histogram.observe(value)
+
+
+class _RatioRecorder:
+    """Stands in for ``narwhal_predicted_ttft_error_ratio`` (observed over predicted TTFT)."""
+
+    def __init__(self, histogram: Any) -> None:
+        self._histogram = histogram
+
+    def observe(self, value: float) -> None:
+        probe = _PROBE.get()
+        if probe is not None and probe.router_ttft_s is not None and value > 0:
+            probe.placement_ttft_s = probe.router_ttft_s / value
+        self._histogram.observe(value)
+
+
+@contextlib.contextmanager
+def _hooks(fleet: InProcessFleet) -> Iterator[None]:
+    # Looked up at call time by the completion handler, so replacing it reaches every request.
+    handler: Any = completions
+    original = handler.check_budget
+
+    def check_budget(projection: Any, budget_s: float) -> None:
+        probe = _PROBE.get()
+        if probe is None:
+            original(projection, budget_s)
+            return
+        probe.projected_ttft_s = projection.ttft_s
+        if not probe.forced:
+            original(projection, budget_s)
+            return
+        try:
+            original(projection, budget_s)
+        except PredictiveRefusal:
+            probe.would_refuse = True  # forced in all the same
+
+    metrics: Any = fleet.router.metrics
+    ttft, ratio = metrics.ttft, metrics.predicted_ttft_error_ratio
+    handler.check_budget = check_budget
+    metrics.ttft, metrics.predicted_ttft_error_ratio = _TTFTRecorder(ttft), _RatioRecorder(ratio)
+    try:
+        yield
+    finally:
+        handler.check_budget = original
+        metrics.ttft, metrics.predicted_ttft_error_ratio = ttft, ratio
+
+
+# -- one request --------------------------------------------------------------------------------
+
+
+async def _send(
+    fleet: InProcessFleet,
+    row: TraceRequest,
+    body: bytes,
+    origin: float,
+    sink: dict[int, Outcome],
+    probe: _Probe | None = None,
+) -> None:
+    """Send one request at once and record its :class:`Outcome` in ``sink``, even if cut.
+
+    ``probe`` (default: a new one) collects what the hooks see of the request.
+    """
+    probe = _Probe() if probe is None else probe
+    _PROBE.set(probe)  # this task's context, inherited by the router's tasks for the request
+    sent = trio.current_time()
+    timer = StreamTimer(row.index, sent)
+    status, code = 0, None
+
+    def record(error: str | None, *, finished: bool) -> None:
+        result = timer.finish(trio.current_time()) if finished else timer.fail(error or "cut")
+        sink[row.index] = Outcome(
+            index=row.index,
+            arrival_s=sent - origin,
+            prompt_tokens=row.prompt_tokens,
+            output_tokens=row.output_tokens,
+            status=status,
+            code=code if code is not None else result.error,
+            ttft_s=result.ttft_s,
+            end_s=None if result.e2e_s is None else sent + result.e2e_s - origin,
+            projected_ttft_s=probe.projected_ttft_s,
+            placement_ttft_s=probe.placement_ttft_s,
+            router_ttft_s=probe.router_ttft_s,
+        )
+
+    try:
+        async with fleet.client.stream("POST", _PATH, content=body, headers=_HEADERS) as response:
+            status = response.status_code
+            if status != 200:
+                code = _error_code(await response.aread())
+                record(code, finished=False)
+                return
+            async for chunk in response.aiter_raw():
+                timer.feed(chunk, trio.current_time())
+            record(None, finished=True)
+    except httpx.HTTPError as exc:
+        record(type(exc).__name__, finished=False)
+    except BaseException:
+        record("cut", finished=False)  # the run ended before this request did
+        raise
+
+
+def _error_code(raw: bytes) -> str:
+    try:
+        error = orjson.loads(raw[:_ERROR_BODY_LIMIT]).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "unknown"
+    code = error.get("code") if isinstance(error, dict) else None
+    return str(code) if code else "unknown"
+
+
+# -- capacity -----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CapacityJob:
+    """A closed loop at saturation, through the router in ``open`` mode with its limits lifted.
+
+    Attributes:
+        setup: the shared setup.
+        concurrency: requests kept in flight (default: 1.25 times what the engines' batches
+            hold, so their waiting queues never run dry).
+        warmup_s: virtual seconds before the measurement starts.
+        window_s: virtual seconds measured.
+    """
+
+    setup: VirtualSetup
+    concurrency: int | None = None
+    warmup_s: float = 30.0
+    window_s: float = 90.0
+
+    def effective_concurrency(self) -> int:
+        """The concurrency the loop keeps."""
+        if self.concurrency is not None:
+            return self.concurrency
+        profile = get_profile(self.setup.profile)
+        return int(len(self.setup.router.engines) * profile.max_num_seqs * 1.25)
+
+
+def measure_capacity(job: CapacityJob) -> Capacity:
+    """Run the closed loop and return the engines' capacity."""
+    return _run_virtual(partial(_capacity, job), job.setup.seed)  # type: ignore[no-any-return]
+
+
+async def _capacity(job: CapacityJob) -> Capacity:
+    setup = job.setup
+    concurrency = job.effective_concurrency()
+    lifted = attrs.evolve(
+        setup.router.admission,
+        mode="open",
+        prefill_concurrency=concurrency,
+        decode_concurrency=concurrency,
+        queue_limit=concurrency,
+        http_retention_limit=2 * concurrency,
+    )
+    config = attrs.evolve(setup.router, admission=lifted)
+    rows = setup.rows()
+    rng = random.Random(setup.seed)
+    profile = get_profile(setup.profile)
+    outcomes: dict[int, Outcome] = {}
+    batches: list[float] = []
+    async with open_fleet(
+        config,
+        profile=setup.profile,
+        seed=setup.seed,
+        tokens_per_chunk=setup.tokens_per_chunk,
+    ) as fleet:
+        origin = trio.current_time()
+        end = origin + job.warmup_s + job.window_s
+        numbers = iter(range(1 << 62))
+
+        async def worker() -> None:
+            for number in numbers:
+                if trio.current_time() >= end:
+                    return
+                row = attrs.evolve(rng.choice(rows), index=number)
+                body = chat_body(config.serving.model, row, max_tokens=setup.max_tokens)
+                await _send(fleet, row, body, origin, outcomes)
+
+        async def sample_batches() -> None:
+            await trio.sleep(job.warmup_s)
+            while trio.current_time() < end:
+                running = [e.statistics().running for e in fleet.engines.values()]
+                batches.append(sum(running) / len(running))
+                await trio.sleep(1.0)
+
+        with trio.move_on_at(end):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sample_batches)
+                for _ in range(concurrency):
+                    nursery.start_soon(worker)
+        fleet.nursery.cancel_scope.cancel()
+    start, stop = job.warmup_s, job.warmup_s + job.window_s
+    done = [
+        o for o in outcomes.values() if o.completed and o.end_s is not None and start <= o.end_s
+    ]
+    done = [o for o in done if o.end_s is not None and o.end_s <= stop]
+    ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
+    engine_s = sum(engine_seconds(profile, o.prompt_tokens, o.output_tokens) for o in done)
+    return Capacity(
+        rps=len(done) / job.window_s,
+        engine_s_per_s=engine_s / job.window_s,
+        window_s=job.window_s,
+        completed=len(done),
+        concurrency=concurrency,
+        mean_batch=sum(batches) / len(batches) if batches else None,
+        ttft_p50_s=percentile(ttfts, 50) if ttfts else None,
+    )
+
+
+# -- replay -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ReplayJob:
+    """One open-loop replay of the trace.
+
+    Attributes:
+        setup: the shared setup.
+        mode: the router's admission mode.
+        rate: the offered mean rate, requests per second (the trace's time axis is scaled).
+        budget_s: the TTFT budget.
+        forced: the trace index of a request forced in (exempt from predictive refusal); the
+            run then stops once that request's budget has run out.
+    """
+
+    setup: VirtualSetup
+    mode: Mode
+    rate: float
+    budget_s: float
+    forced: int | None = None
+
+
+@attrs.frozen
+class ReplayResult:
+    """What a replay returns.
+
+    Attributes:
+        outcomes: every request's outcome, in trace order (a forced-in rerun: those sent before
+            it stopped).
+        books: the router's counters at the end.
+        wall_s: wall-clock seconds.
+        virtual_s: virtual seconds from the first arrival to the end.
+        forced_ttft_s: the forced request's TTFT (``None``: none within its budget).
+        forced_would_refuse: the forced request's projection was over budget again.
+        deterministic: the scheduler was seeded.
+    """
+
+    outcomes: tuple[Outcome, ...]
+    books: dict[str, int]
+    wall_s: float
+    virtual_s: float
+    forced_ttft_s: float | None = None
+    forced_would_refuse: bool | None = None
+    deterministic: bool = True
+
+
+def run_replay(job: ReplayJob) -> ReplayResult:
+    """Replay the trace at ``job.rate`` in ``job.mode``."""
+    started = time.perf_counter()
+    deterministic = seed_scheduler(job.setup.seed)
+    result: ReplayResult = trio.run(
+        partial(_replay, job), clock=trio.testing.MockClock(autojump_threshold=0)
+    )
+    return attrs.evolve(result, wall_s=time.perf_counter() - started, deterministic=deterministic)
+
+
+async def _replay(job: ReplayJob) -> ReplayResult:
+    setup = job.setup
+    config = setup.config(job.mode, job.budget_s)
+    rows = scale_to_rate(setup.rows(), job.rate)
+    forced_row = next((row for row in rows if row.index == job.forced), None)
+    outcomes: dict[int, Outcome] = {}
+    forced_probe = _Probe(forced=True)
+    async with open_fleet(
+        config,
+        profile=setup.profile,
+        seed=setup.seed,
+        tokens_per_chunk=setup.tokens_per_chunk,
+    ) as fleet:
+        with _hooks(fleet):
+            origin = trio.current_time()
+            stop_at = float("inf")
+            if forced_row is not None:
+                stop_at = origin + forced_row.arrival_s + job.budget_s
+            with trio.move_on_at(stop_at):
+                async with trio.open_nursery() as nursery:
+                    for row in rows:
+                        await trio.sleep_until(origin + row.arrival_s)
+                        body = chat_body(config.serving.model, row, max_tokens=setup.max_tokens)
+                        probe = forced_probe if row is forced_row else None
+                        nursery.start_soon(_send, fleet, row, body, origin, outcomes, probe)
+            virtual_s = trio.current_time() - origin
+            books = fleet.router.statistics().accounting.as_json()
+        fleet.nursery.cancel_scope.cancel()
+    forced_ttft: float | None = None
+    would_refuse: bool | None = None
+    if forced_row is not None:
+        outcome = outcomes.get(forced_row.index)
+        forced_ttft = None if outcome is None else outcome.ttft_s
+        if forced_ttft is not None and forced_ttft > job.budget_s:
+            forced_ttft = None
+        would_refuse = forced_probe.would_refuse
+    return ReplayResult(
+        outcomes=tuple(outcomes[index] for index in sorted(outcomes)),
+        books=books,
+        wall_s=0.0,
+        virtual_s=virtual_s,
+        forced_ttft_s=forced_ttft,
+        forced_would_refuse=would_refuse,
+    )
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class MemoryJob:
+    """Hold ``retained`` requests in the router, ``queued`` of them in its admission queue.
+
+    The engines stall every stream after its first token (the ``stall`` fault directive), so
+    the requests placed on them stay in the router, relaying, and the rest wait in the queue.
+
+    Attributes:
+        setup: the shared setup (its router's limits are set to hold exactly this).
+        retained: requests held at once (``http_retention_limit``).
+        queued: of those, in the admission queue (``queue_limit``).
+        warmup: requests served to completion first, so that what is allocated once (imports,
+            caches, pools) is in the baseline.
+    """
+
+    setup: VirtualSetup
+    retained: int = 1024
+    queued: int = 256
+    warmup: int = 64
+
+
+@attrs.frozen
+class MemoryResult:
+    """Resident memory before and while holding the load (bytes).
+
+    Attributes:
+        before: ``VmRSS`` with the router idle after the warm-up.
+        holding: ``VmRSS`` while every request is held.
+        retained: requests held (the retention slots in use).
+        queued: requests in the admission queue.
+        placed: requests on the engines.
+    """
+
+    before: int
+    holding: int
+    retained: int
+    queued: int
+    placed: int
+
+    @property
+    def added(self) -> int:
+        """What holding the load added."""
+        return self.holding - self.before
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return {**attrs.asdict(self), "added": self.added}
+
+
+def measure_memory(job: MemoryJob) -> MemoryResult:
+    """Fill the router's retention and queue limits and measure this process's resident memory.
+
+    The engines and the client run in the same process, so the figure includes their share of
+    each request: it overstates the router's own.
+    """
+    return _run_virtual(partial(_memory, job), job.setup.seed)  # type: ignore[no-any-return]
+
+
+def _rss() -> int:
+    gc.collect()
+    return procstat.memory(os.getpid()).rss_bytes
+
+
+async def _memory(job: MemoryJob) -> MemoryResult:
+    setup = job.setup
+    engines = len(setup.router.engines)
+    placed = job.retained - job.queued
+    per_engine = -(-placed // engines)
+    admission = attrs.evolve(
+        setup.router.admission,
+        mode="open",
+        http_retention_limit=job.retained,
+        queue_limit=job.queued,
+        prefill_concurrency=per_engine,
+        decode_concurrency=per_engine,
+        admission_wait_s=3600.0,
+    )
+    config = attrs.evolve(
+        setup.router,
+        admission=admission,
+        serving=attrs.evolve(setup.router.serving, request_deadline_s=7200.0),
+        upstream=attrs.evolve(setup.router.upstream, read_timeout_s=7200.0),
+    )
+    rows = setup.rows()
+    model = config.serving.model
+    sink: dict[int, Outcome] = {}
+    async with open_fleet(
+        config, profile=setup.profile, seed=setup.seed, tokens_per_chunk=setup.tokens_per_chunk
+    ) as fleet:
+        origin = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for row in rows[: job.warmup]:
+                body = chat_body(model, row, max_tokens=setup.max_tokens)
+                nursery.start_soon(_send, fleet, row, body, origin, sink)
+        before = _rss()
+        stall = {"fault": "stall", "fault_at": 1}
+        async with trio.open_nursery() as nursery:
+            for number in range(job.retained):
+                row = attrs.evolve(rows[number % len(rows)], index=len(rows) + number)
+                body = chat_body(model, row, max_tokens=setup.max_tokens, extra=stall)
+                nursery.start_soon(_send, fleet, row, body, origin, sink)
+            router = fleet.router
+            while True:
+                stats = router.statistics()
+                held = sum(e.prefill + e.decode for e in stats.engines)
+                if stats.retention.in_use >= job.retained and stats.queue.depth >= job.queued:
+                    break
+                await trio.sleep(0.01)
+            holding = _rss()
+            result = MemoryResult(
+                before=before,
+                holding=holding,
+                retained=stats.retention.in_use,
+                queued=stats.queue.depth,
+                placed=held,
+            )
+            nursery.cancel_scope.cancel()
+        fleet.nursery.cancel_scope.cancel()
+    return result

@@ -1,0 +1,230 @@
+"""The admission benchmark's arithmetic: outcomes, goodput, bound, fractions, verdicts (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.bench.admission import sample_refusals
+from narwhal.bench.admission_report import render_checks, render_runs
+from narwhal.bench.goodput import (
+    Bar,
+    Capacity,
+    FalseRefusals,
+    Outcome,
+    PredictionError,
+    ReplayFigures,
+    Window,
+    bound,
+    engine_seconds,
+    evaluate,
+    outcome_label,
+    replay_figures,
+    safe_ratio,
+)
+from narwhal.scheduling.profiles import EngineProfile
+
+# One millisecond per prompt token, none for attention, a 1 ms decode step per token in a
+# batch of one: engine seconds are easy to count by hand.
+PROFILE = EngineProfile(
+    name="test",
+    prefill_base_ms=5.0,
+    prefill_per_token_ms=1.0,
+    prefill_quadratic_ms=0.0,
+    decode_base_ms=0.0,
+    decode_per_seq_ms=1.0,
+    decode_per_kv_token_ms=0.0,
+    max_num_seqs=1,
+)
+
+
+def served(index: int, at: float, ttft: float, *, prompt: int = 100, output: int = 11) -> Outcome:
+    return Outcome(index, at, prompt, output, 200, None, ttft, at + ttft + 1.0)
+
+
+def failed(index: int, at: float, status: int, code: str) -> Outcome:
+    return Outcome(index, at, 100, 11, status, code, None, None)
+
+
+def test_outcome_classes() -> None:
+    assert served(0, 0.0, 0.5).admitted and served(0, 0.0, 0.5).completed
+    refused = failed(1, 0.0, 429, "ttft_budget_exceeded")
+    assert refused.refused and not refused.admitted
+    assert not failed(2, 0.0, 429, "admission_queue_full").refused
+    assert not failed(3, 0.0, 503, "backend_unavailable").admitted
+    expired = failed(4, 0.0, 504, "admission_wait_expired")
+    assert expired.admitted and not expired.in_budget(2.0)
+    in_band = Outcome(5, 0.0, 100, 11, 200, "engine_error", 0.1, None)
+    assert in_band.admitted and not in_band.completed and in_band.in_budget(2.0)
+    assert served(6, 0.0, 2.0).in_budget(2.0)  # at the budget is inside it
+    assert not served(6, 0.0, 2.001).in_budget(2.0)
+    assert outcome_label(served(0, 0.0, 1.0)) == "200"
+    assert outcome_label(refused) == "429 ttft_budget_exceeded"
+    assert outcome_label(Outcome(7, 0.0, 1, 1, 0, None, None, None)) == "0"
+
+
+def test_engine_seconds_prefill_work_plus_a_decode_share_per_later_token() -> None:
+    # 100 prompt tokens at 1 ms (no fixed prefill cost), then 10 decode steps at 1 ms.
+    assert engine_seconds(PROFILE, 100, 11) == pytest.approx(0.110)
+    assert engine_seconds(PROFILE, 100, 1) == pytest.approx(0.100)
+    assert engine_seconds(PROFILE, 0, 0) == 0.0
+
+
+def test_bound_and_ratios() -> None:
+    assert bound(10.0, 4.0) == 4.0
+    assert bound(3.0, 4.0) == 3.0
+    assert safe_ratio(1.0, 4.0) == 0.25
+    assert safe_ratio(1.0, 0.0) is None
+    assert safe_ratio(None, 1.0) is None
+
+
+def test_window_leaves_out_the_warm_up() -> None:
+    outcomes = [served(i, float(i), 0.1) for i in range(11)]
+    window = Window.of(outcomes, 0.2)
+    assert (window.start_s, window.end_s, window.length_s) == (2.0, 10.0, 8.0)
+    assert window.holds(2.0) and window.holds(10.0) and not window.holds(1.9)
+    assert not window.holds(None)
+    assert Window.of([], 0.1).length_s == 0.0
+
+
+def test_prediction_error_is_relative_to_the_observed_time() -> None:
+    error = PredictionError.of([(1.1, 1.0), (0.5, 1.0), (2.0, 2.0), (1.0, 0.0)])
+    assert error.count == 3  # the pair observed at 0 is skipped
+    assert error.median_abs == pytest.approx(0.1)
+    assert error.median_signed == pytest.approx(0.0)
+    assert error.p90_abs == pytest.approx(0.42)
+    assert PredictionError.of([]).median_abs is None
+
+
+def test_false_refusals_as_a_share_of_offered() -> None:
+    false = FalseRefusals(refused=10, offered=1000, sampled=(1, 2, 3, 4), met_budget=(2,))
+    assert false.false_share == 0.25
+    assert false.rate == pytest.approx(10 / 1000 * 0.25)
+    assert FalseRefusals(refused=0, offered=1000).rate == 0.0
+    assert FalseRefusals(refused=5, offered=100).false_share is None
+    assert false.as_json()["rate"] == pytest.approx(0.0025)
+
+
+def test_refusal_samples_are_seeded_and_bounded() -> None:
+    refused = list(range(100, 200))
+    first = sample_refusals(refused, 5, seed=1, key="0.5")
+    assert first == sample_refusals(refused, 5, seed=1, key="0.5")
+    assert first != sample_refusals(refused, 5, seed=1, key="1")
+    assert first == sorted(first) and len(set(first)) == 5
+    assert sample_refusals(refused[:3], 5, seed=1, key="x") == [100, 101, 102]
+    assert sample_refusals([], 5, seed=1, key="x") == []
+
+
+def light_load_run() -> list[Outcome]:
+    # 21 requests, one a second; all served in budget except one refusal and one slow one.
+    outcomes = [served(i, float(i), 0.5) for i in range(21)]
+    outcomes[5] = failed(5, 5.0, 429, "ttft_budget_exceeded")
+    outcomes[7] = served(7, 7.0, 3.0)
+    return outcomes
+
+
+def test_figures_of_a_light_load() -> None:
+    capacity = Capacity(rps=4.0, engine_s_per_s=1.0)
+    figures = replay_figures(
+        light_load_run(),
+        load=0.25,
+        mode="predictive",
+        budget_s=2.0,
+        offered_rps=1.0,
+        capacity=capacity,
+        profile=PROFILE,
+        warmup_fraction=0.0,
+        books={"offered": 21},
+    )
+    assert (figures.offered, figures.admitted, figures.in_budget, figures.completed) == (
+        21,
+        20,
+        19,
+        20,
+    )
+    assert figures.admitted_fraction == pytest.approx(20 / 21)
+    assert figures.in_budget_fraction == pytest.approx(19 / 20)
+    # The window runs from 0 to 20 s: 21 arrivals, 19 good, counted by arrival.
+    assert figures.goodput_rps == pytest.approx(19 / 20)
+    assert figures.bound_rps == pytest.approx(21 / 20)  # offered, under the capacity
+    assert figures.goodput_ratio == pytest.approx(19 / 21)
+    assert figures.goodput_engine == pytest.approx(19 * 0.110 / 20)
+    assert figures.bound_engine == pytest.approx(21 * 0.110 / 20)
+    assert figures.goodput_engine_ratio == pytest.approx(19 / 21)
+    assert figures.outcomes == {"200": 20, "429 ttft_budget_exceeded": 1}
+    assert figures.refused == 1
+    assert figures.ttft_p50_s == pytest.approx(0.5)
+    assert figures.ttft_p99_s is not None and 0.5 < figures.ttft_p99_s <= 3.0
+    assert figures.as_json()["books"] == {"offered": 21}
+
+
+def test_the_bound_is_the_capacity_under_overload() -> None:
+    outcomes = [served(i, i / 10, 0.5) for i in range(101)]  # 10 req/s offered
+    figures = replay_figures(
+        outcomes,
+        load=2.5,
+        mode="open",
+        budget_s=2.0,
+        offered_rps=10.0,
+        capacity=Capacity(rps=4.0, engine_s_per_s=0.2),
+        profile=PROFILE,
+        warmup_fraction=0.0,
+    )
+    assert figures.bound_rps == 4.0
+    assert figures.bound_engine == 0.2
+    assert figures.goodput_ratio == pytest.approx(101 / 10 / 4.0)
+
+
+def figures(load: float, mode: str, **values: object) -> ReplayFigures:
+    base = replay_figures(
+        light_load_run(),
+        load=load,
+        mode=mode,
+        budget_s=2.0,
+        offered_rps=1.0,
+        capacity=Capacity(rps=4.0, engine_s_per_s=1.0),
+        profile=PROFILE,
+        warmup_fraction=0.0,
+    )
+    import attrs
+
+    return attrs.evolve(base, **values)  # type: ignore[arg-type]
+
+
+def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
+    runs = [
+        figures(
+            0.5,
+            "predictive",
+            false_refusals=FalseRefusals(10, 1000, (1, 2), (2,)),
+            placement_pairs=((1.05, 1.0),) * 8 + ((1.3, 1.0),) * 2,
+        ),
+        figures(0.5, "open"),
+        figures(2.0, "predictive", in_budget=20),
+        figures(2.0, "open"),
+    ]
+    checks = {check.name: check for check in evaluate(runs, Bar(), memory_added_bytes=50_000_000)}
+    good = checks["goodput / bound (requests) at 0.5x"]
+    assert good.passed is True and good.measured == "90.5 %" and good.open_mode == "90.5 %"
+    assert checks["false refusals at 0.5x (share of offered)"].passed is True  # 0.5 %
+    assert checks["admitted in budget at 2x"].passed is True
+    assert "admitted in budget at 0.5x" not in checks
+    assert checks["TTFT prediction, median abs error"].passed is True
+    assert checks["TTFT prediction, p90 abs error"].passed is False  # 30 % at the 90th
+    assert checks["TTFT prediction, p90 abs error"].open_mode == "n/a"
+    assert checks["memory, 1024 retained / 256 queued"].verdict == "PASS"
+
+
+def test_a_missing_figure_is_skipped_not_passed() -> None:
+    runs = [figures(0.5, "predictive", false_refusals=None, admitted=0)]
+    checks = {check.name: check for check in evaluate(runs, Bar())}
+    assert checks["false refusals at 0.5x (share of offered)"].verdict == "SKIP"
+    assert checks["TTFT prediction, median abs error"].verdict == "SKIP"
+
+
+def test_rendering_shows_every_run_and_verdict() -> None:
+    runs = [figures(1.0, "predictive"), figures(1.0, "open")]
+    lines = render_runs(runs)
+    assert len(lines) == 3 and "predictive" in lines[1] and "open" in lines[2]
+    verdicts = render_checks(evaluate(runs, Bar()))
+    assert verdicts[0].startswith("check")
+    assert any(line.endswith("PASS") for line in verdicts)
