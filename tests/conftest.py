@@ -11,13 +11,14 @@ import httpx
 import pytest
 import trio
 
+from narwhal.bench.inprocess import ASGIStreamTransport, run_lifespan
 from narwhal.config import Config, EngineConfig, ServingConfig, UpstreamConfig
 from narwhal.router import Router
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.timing import profile
 from narwhal.sim.transport import SimTransport
 from narwhal.web.app import create_app, get_router
-from tests.support import ASGIStreamTransport, Pluggable, run_lifespan
+from tests.support import Pluggable
 
 MODEL = "llama-3.1-8b-instruct"
 
