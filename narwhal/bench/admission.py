@@ -98,9 +98,9 @@ class AdmissionSettings:
     capacity: Capacity | None = None
     capacity_warmup_s: float = 30.0
     capacity_window_s: float = 90.0
-    warmup_fraction: float = 0.1
+    warmup_fraction: float = 0.2
     false_refusal_samples: tuple[tuple[float, int], ...] = ((0.5, 20),)
-    false_refusal_default: int = 5
+    false_refusal_default: int = 3
     memory: bool = True
     jobs: int = 1
     bar: Bar = attrs.field(factory=Bar)

@@ -79,7 +79,7 @@ class RealtimeSettings:
     max_in_flight: int = 2048
     startup_timeout_s: float = 60.0
     log_dir: Path | None = None
-    warmup_fraction: float = 0.1
+    warmup_fraction: float = 0.2
 
     @property
     def scaled_capacity(self) -> Capacity:

@@ -317,7 +317,9 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 # -- narwhal bench admission --------------------------------------------------------------------
 
+_DEFAULT_DURATION_S = 1200.0
 _QUICK_DURATION_S = 300.0
+_DEFAULT_SAMPLES = "20,3"
 _QUICK_SAMPLES = "5,2"
 
 
@@ -332,8 +334,9 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration-s",
         type=_positive_float,
         metavar="S",
-        help="replay only the first S seconds of the trace (trace time; default: all of it, "
-        "about an hour)",
+        help=f"replay the first S seconds of the trace (trace time; default "
+        f"{_DEFAULT_DURATION_S:g}: about 3 minutes of wall time on two cores; 3600: the whole "
+        f"hour, about 10 minutes; --quick {_QUICK_DURATION_S:g})",
     )
     parser.add_argument(
         "--loads",
@@ -373,7 +376,8 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         "--capacity",
         type=_positive_float,
         metavar="RPS",
-        help="use this capacity (requests/s) instead of measuring it",
+        help="use this capacity (requests/s) instead of measuring it (its engine time is "
+        "then the replayed requests' mean engine time times RPS)",
     )
     parser.add_argument(
         "--capacity-window-s",
@@ -386,7 +390,7 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         "--false-refusal-samples",
         metavar="N[,N]",
         help="refused requests forced in, one rerun each: at 0.5x, then at every other load "
-        "(default 20,5; --quick " + _QUICK_SAMPLES + ")",
+        f"(default {_DEFAULT_SAMPLES}; --quick {_QUICK_SAMPLES})",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument(
@@ -489,12 +493,14 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
             serving=attrs.evolve(base.serving, model=router.serving.model),
             engines=router.engines,
         )
-    samples_text = args.false_refusal_samples or (_QUICK_SAMPLES if args.quick else "20,5")
+    samples_text = args.false_refusal_samples or (
+        _QUICK_SAMPLES if args.quick else _DEFAULT_SAMPLES
+    )
     samples = _integers(samples_text, "--false-refusal-samples") if samples_text else [0]
     if len(samples) > 2:
         raise ValueError("--false-refusal-samples: one or two numbers (0.5x, then the others)")
     light, other = samples[0], samples[-1]
-    duration = args.duration_s or (_QUICK_DURATION_S if args.quick else None)
+    duration = args.duration_s or (_QUICK_DURATION_S if args.quick else _DEFAULT_DURATION_S)
     window = args.capacity_window_s or (30.0 if args.quick else 90.0)
     setup = VirtualSetup(
         router=router,

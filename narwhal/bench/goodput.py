@@ -419,7 +419,7 @@ def replay_figures(
     offered_rps: float,
     capacity: Capacity,
     profile: EngineProfile,
-    warmup_fraction: float = 0.1,
+    warmup_fraction: float = 0.2,
     books: Mapping[str, int] | None = None,
     wall_s: float = 0.0,
     virtual_s: float = 0.0,

@@ -170,7 +170,7 @@ def test_cli_settings() -> None:
     full = admission_settings(
         parser.parse_args(["--loads", "1,3", "--capacity", "40", "--false-refusal-samples", "7"])
     )
-    assert full.setup.duration_s is None and full.loads == (1.0, 3.0)
+    assert full.setup.duration_s == 1200.0 and full.loads == (1.0, 3.0)
     assert full.capacity is not None and not full.capacity.measured
     assert full.samples_at(0.5) == 7 and full.samples_at(3.0) == 7
     assert main(["admission", "--modes", "closed"]) == 2
