@@ -60,6 +60,7 @@ __all__ = [
     "AdmissionSettings",
     "run_admission",
     "sample_refusals",
+    "with_engine_time",
 ]
 
 Echo = Callable[[str], None]
@@ -176,7 +177,6 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
     started = time.perf_counter()
     walls: dict[str, float] = {}
     setup = settings.setup
-    profile = get_profile(setup.profile)
     rows = setup.rows()
     trace_info = {
         "name": setup.trace,
@@ -204,11 +204,8 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
                 window_s=settings.capacity_window_s,
             )
         )
-    elif capacity.engine_s_per_s <= 0:
-        mean_engine = sum(
-            engine_seconds(profile, row.prompt_tokens, row.output_tokens) for row in rows
-        ) / max(1, len(rows))
-        capacity = attrs.evolve(capacity, engine_s_per_s=capacity.rps * mean_engine)
+    else:
+        capacity = with_engine_time(capacity, setup)
     walls["capacity"] = time.perf_counter() - phase
     echo(
         f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "
@@ -262,6 +259,22 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
         checks=tuple(checks),
         wall_s=walls,
     )
+
+
+def with_engine_time(capacity: Capacity, setup: VirtualSetup) -> Capacity:
+    """A given capacity completed with its engine time, if it has none.
+
+    Its engine seconds per second are then its rate times the replayed requests' mean
+    engine seconds (:func:`~narwhal.bench.goodput.engine_seconds`).
+    """
+    if capacity.engine_s_per_s > 0:
+        return capacity
+    profile = get_profile(setup.profile)
+    rows = setup.rows()
+    mean = sum(engine_seconds(profile, r.prompt_tokens, r.output_tokens) for r in rows) / max(
+        1, len(rows)
+    )
+    return attrs.evolve(capacity, engine_s_per_s=capacity.rps * mean)
 
 
 def _figures(

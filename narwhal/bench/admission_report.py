@@ -169,12 +169,12 @@ def render_report(report: AdmissionReport) -> list[str]:
         if run.mode != "predictive":
             continue
         projection = run.projection
-        if projection.median_abs is not None:
-            lines.append(
-                f"{run.load:g}x predictive: admission projection error median "
-                f"{_pct(projection.median_abs)}, p90 {_pct(projection.p90_abs)}, bias "
-                f"{_pct(projection.median_signed)} (projected vs observed TTFT, admitted)"
-            )
+        lines.append(
+            f"{run.load:g}x predictive: {_pct(run.in_budget_window)} of admitted in budget after "
+            f"the warm-up; admission projection error median {_pct(projection.median_abs)}, "
+            f"p90 {_pct(projection.p90_abs)}, bias {_pct(projection.median_signed)} "
+            "(projected at arrival vs observed TTFT)"
+        )
     lines += ["", *render_checks(report.checks)]
     if report.memory is not None:
         memory = report.memory

@@ -25,6 +25,7 @@ from narwhal.bench.admission import (
     AdmissionSettings,
     default_jobs,
     run_admission,
+    with_engine_time,
 )
 from narwhal.bench.goodput import Capacity
 from narwhal.bench.overhead import (
@@ -335,7 +336,7 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_float,
         metavar="S",
         help=f"replay the first S seconds of the trace (trace time; default "
-        f"{_DEFAULT_DURATION_S:g}: about 3 minutes of wall time on two cores; 3600: the whole "
+        f"{_DEFAULT_DURATION_S:g}: about 3.5 minutes of wall time on two cores; 3600: the whole "
         f"hour, about 10 minutes; --quick {_QUICK_DURATION_S:g})",
     )
     parser.add_argument(
@@ -569,7 +570,9 @@ def _real_time(
     from narwhal.bench.replay import CapacityJob, measure_capacity
 
     capacity = settings.capacity
-    if capacity is None:
+    if capacity is not None:
+        capacity = with_engine_time(capacity, settings.setup)
+    else:
         echo("capacity: measured in virtual time first")
         capacity = measure_capacity(
             CapacityJob(

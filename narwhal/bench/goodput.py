@@ -304,6 +304,8 @@ class ReplayFigures:
         offered_rps: their mean rate (the trace's, scaled).
         admitted: requests admitted (see the module doc).
         in_budget: admitted requests whose first output came within the budget.
+        in_budget_window: the share of the admitted requests arriving in the measurement window
+            (after the warm-up) that met the budget: the steady state, without the cold start.
         completed: requests streamed to the end.
         window: the measurement window.
         goodput_rps: in-budget completions per second, of the requests arriving in the window.
@@ -334,6 +336,7 @@ class ReplayFigures:
     in_budget: int
     completed: int
     window: Window
+    in_budget_window: float | None
     goodput_rps: float
     goodput_engine: float
     bound_rps: float
@@ -388,6 +391,7 @@ class ReplayFigures:
             "admitted_fraction": self.admitted_fraction,
             "in_budget": self.in_budget,
             "in_budget_fraction": self.in_budget_fraction,
+            "in_budget_window_fraction": self.in_budget_window,
             "completed": self.completed,
             "window_s": [self.window.start_s, self.window.end_s],
             "goodput_rps": self.goodput_rps,
@@ -433,6 +437,7 @@ def replay_figures(
         if outcome.completed and outcome.in_budget(budget_s) and window.holds(outcome.arrival_s)
     ]
     arriving = [outcome for outcome in outcomes if window.holds(outcome.arrival_s)]
+    settled = [outcome for outcome in arriving if outcome.admitted]
     length = window.length_s
     goodput_rps = len(good) / length if length > 0 else 0.0
     goodput_engine = _engine_total(profile, good) / length if length > 0 else 0.0
@@ -454,6 +459,9 @@ def replay_figures(
         in_budget=sum(1 for outcome in admitted if outcome.in_budget(budget_s)),
         completed=sum(1 for outcome in outcomes if outcome.completed),
         window=window,
+        in_budget_window=safe_ratio(
+            sum(1 for outcome in settled if outcome.in_budget(budget_s)), len(settled)
+        ),
         goodput_rps=goodput_rps,
         goodput_engine=goodput_engine,
         bound_rps=bound(offered_in_window, capacity.rps),

@@ -143,6 +143,7 @@ def test_figures_of_a_light_load() -> None:
     )
     assert figures.admitted_fraction == pytest.approx(20 / 21)
     assert figures.in_budget_fraction == pytest.approx(19 / 20)
+    assert figures.in_budget_window == pytest.approx(19 / 20)
     # The window runs from 0 to 20 s: 21 arrivals, 19 good, counted by arrival.
     assert figures.goodput_rps == pytest.approx(19 / 20)
     assert figures.bound_rps == pytest.approx(21 / 20)  # offered, under the capacity
