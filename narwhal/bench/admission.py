@@ -21,12 +21,9 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
-import platform
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from typing import Any, TypeVar
 
 import attrs
@@ -41,6 +38,7 @@ from narwhal.bench.goodput import (
     evaluate,
     replay_figures,
 )
+from narwhal.bench.procstat import environment
 from narwhal.bench.replay import (
     CapacityJob,
     MemoryJob,
@@ -251,7 +249,7 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
     walls["total"] = time.perf_counter() - started
     return AdmissionReport(
         settings=settings.as_json(),
-        environment=environment(),
+        environment=environment(_PACKAGES),
         trace=trace_info,
         capacity=capacity,
         runs=tuple(figures),
@@ -357,24 +355,7 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.1f} %"
 
 
-def environment() -> dict[str, Any]:
-    """CPU cores, Python and package versions."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 0
-    versions: dict[str, str | None] = {}
-    for package in ("narwhal", "trio", "httpx", "quart-trio", "hypercorn"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    return {
-        "cpu_cores": cores,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "versions": versions,
-    }
+_PACKAGES = ("narwhal", "trio", "httpx", "quart-trio", "hypercorn")
 
 
 def default_jobs() -> int:

@@ -12,15 +12,12 @@ each level, each router's resident memory.
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 import signal
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,7 @@ import attrs
 import trio
 
 from narwhal.bench import load
+from narwhal.bench.procstat import environment
 from narwhal.bench.report import (
     DIRECT,
     NARWHAL,
@@ -365,24 +363,10 @@ def _add(total: float | None, before: float | None, after: float | None) -> floa
 
 
 def _environment(settings: OverheadSettings, *, engine_started: bool) -> dict[str, Any]:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 0
-    versions: dict[str, str | None] = {}
-    for package in ("narwhal", "vllm-router", "httpx", "trio", "hypercorn"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    return {
-        "cpu_cores": cores,
-        "shared_cpu": (
-            "load generator, engine and routers run on the same machine and share its "
-            f"{cores} CPU cores"
-        ),
-        "engine": "narwhal sim" if engine_started else settings.engine_url,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "versions": versions,
-    }
+    facts = environment(("narwhal", "vllm-router", "httpx", "trio", "hypercorn"))
+    facts["shared_cpu"] = (
+        "load generator, engine and routers run on the same machine and share its "
+        f"{facts['cpu_cores']} CPU cores"
+    )
+    facts["engine"] = "narwhal sim" if engine_started else settings.engine_url
+    return facts

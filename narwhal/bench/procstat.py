@@ -9,7 +9,11 @@ by the kernel in their process's figures.
 from __future__ import annotations
 
 import os
+import platform
+import sys
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -121,3 +125,23 @@ def memory(pid: int) -> Memory:
         rss += (parse_status_kib(text, "VmRSS") or 0) * 1024
         peak += (parse_status_kib(text, "VmHWM") or 0) * 1024
     return Memory(rss_bytes=rss, peak_rss_bytes=peak)
+
+
+def environment(packages: tuple[str, ...]) -> dict[str, Any]:
+    """The machine a benchmark ran on: CPU cores, Python, platform and package versions."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 0
+    versions: dict[str, str | None] = {}
+    for package in packages:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu_cores": cores,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": versions,
+    }
