@@ -28,15 +28,15 @@ import trio
 
 from narwhal.config import Config
 from narwhal.router import Router
-from narwhal.sim.engine import SimConnectionDropped, SimEngine, SimPlan, SimStream
+from narwhal.sim.engine import SimEngine, SimPlan
 from narwhal.sim.timing import profile as timing_profile
+from narwhal.sim.transport import SimTransport
 from narwhal.web.app import create_app, get_router
 
 __all__ = [
     "ASGIStreamTransport",
     "CoalescingSimEngine",
     "InProcessFleet",
-    "SimEngineTransport",
     "open_fleet",
     "run_lifespan",
 ]
@@ -77,66 +77,6 @@ def _with_stream_interval(raw: bytes, interval: int) -> bytes:
         return raw
     body["stream_interval"] = interval
     return orjson.dumps(body)
-
-
-class _EngineBody(httpx.AsyncByteStream):
-    """An engine's response body, played in Trio time; a planned drop is an httpx error.
-
-    Its own iterator rather than an async generator, so an abandoned body leaves nothing for
-    the garbage collector to finalise.
-    """
-
-    def __init__(self, stream: SimStream, request: httpx.Request) -> None:
-        self._stream = stream
-        self._request = request
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await self._stream.__anext__()
-        except StopAsyncIteration:
-            raise
-        except SimConnectionDropped as exc:
-            raise httpx.RemoteProtocolError(
-                "peer closed connection without sending complete message body",
-                request=self._request,
-            ) from exc
-        except BaseException:
-            self._stream.close()
-            raise
-
-    async def aclose(self) -> None:
-        self._stream.close()
-
-
-class SimEngineTransport(httpx.AsyncBaseTransport):
-    """Serves a :class:`SimEngine` to an httpx client in-process, keeping no record.
-
-    :class:`~narwhal.sim.transport.SimTransport` keeps every request body for tests to inspect;
-    a benchmark replaying tens of thousands of requests must not hold them.
-    """
-
-    def __init__(self, engine: SimEngine) -> None:
-        self.engine = engine
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Answer ``request`` from the engine's plan; the body streams in Trio time."""
-        raw = await request.aread()
-        plan = self.engine.respond(request.method, request.url.path, raw)
-        if not plan.completion:
-            return httpx.Response(plan.status, headers=plan.headers, content=plan.body)
-        stream = self.engine.stream(plan)
-        try:
-            await stream.wait_head()
-        except SimConnectionDropped as exc:
-            raise httpx.RemoteProtocolError(
-                "Server disconnected without sending a response.", request=request
-            ) from exc
-        return httpx.Response(
-            plan.status, headers=plan.headers, stream=_EngineBody(stream, request)
-        )
 
 
 class _Body(httpx.AsyncByteStream):
@@ -323,7 +263,7 @@ async def open_fleet(
         )
         for index, engine in enumerate(config.engines)
     }
-    transports = {name: SimEngineTransport(engine) for name, engine in engines.items()}
+    transports = {name: SimTransport(engine, record=False) for name, engine in engines.items()}
     app = create_app(config, transports=transports)
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(run_lifespan, app))

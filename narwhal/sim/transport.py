@@ -94,10 +94,13 @@ class SimTransport(httpx.AsyncBaseTransport):
         requests: the JSON bodies received on the completion routes, in arrival order (a body
             that is not a JSON object is recorded as ``{"_raw": <text>}``).
         headers: the request headers of those same requests.
+        record: keep ``requests`` and ``headers`` (a benchmark replaying tens of thousands of
+            requests turns it off; the counters stay).
     """
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: SimEngine, *, record: bool = True) -> None:
         self.engine = engine
+        self.record = record
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self._received = 0
@@ -150,6 +153,8 @@ class SimTransport(httpx.AsyncBaseTransport):
 
     def _record(self, raw: bytes, request: httpx.Request) -> None:
         self._completions += 1
+        if not self.record:
+            return
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
