@@ -4,10 +4,14 @@ An engine runs its prefills first come, first served, in steps of chunked prefil
 decoding sequences (the physics of :mod:`narwhal.scheduling.profiles`). A request's time to
 first token there has two parts:
 
-* **compute**, which queues: its own prefill chunks plus the decode steps they ride along with,
-  after the compute of every prefill placed before it (a prompt joining a running prefill does
-  not pay the step's fixed cost again). ``free_at`` is when the placed compute is predicted
-  done;
+* **compute**, which queues: its own prefill chunks plus the steps they need, after the compute
+  of every prefill placed before it. Prompts share steps: a step carries up to
+  ``max_num_batched_tokens`` prompt tokens (less one per decoding sequence), so a prompt that
+  fits in the last step of the work ahead of it costs its chunk only, and a prompt that does
+  not pays the steps it adds, ``ceil((ahead + n) / budget) - ceil(ahead / budget)``, each the
+  cost of a decode step over the running batch (or the prefill step's fixed cost when nothing
+  decodes). The :class:`Backlog` is that work ahead: when it is predicted done (``free_at``)
+  and how many prompt tokens it holds;
 * **latency**, which does not queue: the engine's front end, the network, the step boundary.
 
 Both are learned from the truth as it arrives, from requests placed on an idle pipeline (whose
@@ -24,13 +28,30 @@ import attrs
 
 from narwhal.scheduling.profiles import EngineProfile
 
-__all__ = ["PrefillForecast"]
+__all__ = ["Backlog", "PrefillForecast"]
 
 _LEARNING_RATE = 0.2
 _DECODE_RATE = 0.02
 _SCALE_BOUNDS = (0.05, 50.0)
 _LATENCY_BOUNDS = (0.0, 10.0)
 _LATENCY_UNIT_S = 0.01  # the latency term's regressor: makes both weights dimensionless
+
+
+@attrs.frozen
+class Backlog:
+    """The prefill work placed on an engine and not done yet.
+
+    Attributes:
+        free_at: when it is predicted done (Trio clock seconds).
+        tokens: the prompt tokens of its steps, counted from the first step a prompt placed
+            behind it may still share.
+        last_step_at: when its last step starts: a prompt placed before then (or in the same
+            instant) may share that step, one placed later starts a step of its own.
+    """
+
+    free_at: float = 0.0
+    tokens: int = 0
+    last_step_at: float = 0.0
 
 
 @attrs.define
@@ -41,7 +62,7 @@ class PrefillForecast:
         profile: the engine's step costs.
         scale: observed over profiled compute, learned (1.0: the profile is right).
         latency_s: time to first token that does not queue, learned.
-        free_at: when the placed compute is predicted done (Trio clock seconds).
+        pipeline: the placed prefill work not done yet.
         pending: predicted compute (seconds) of each placed request still waiting for its first
             token, by placement key, in placement order.
         decoding: requests past their first token.
@@ -52,7 +73,7 @@ class PrefillForecast:
     scale: float = 1.0
     latency_s: float = 0.0
     decode_scale: float = 1.0
-    free_at: float = 0.0
+    pipeline: Backlog = attrs.field(factory=Backlog)
     pending: dict[int, float] = attrs.field(factory=dict)
     decoding: int = 0
     decode_context: int = 0
@@ -65,16 +86,18 @@ class PrefillForecast:
         """Requests placed and still waiting for their first token."""
         return len(self.pending)
 
-    def compute_s(self, tokens: int, *, joins_running_prefill: bool) -> float:
-        """Profiled (unscaled) seconds of compute to prefill ``tokens`` here as it is now."""
+    @property
+    def free_at(self) -> float:
+        """When the placed compute is predicted done (Trio clock seconds)."""
+        return self.pipeline.free_at
+
+    def _step(self) -> tuple[int, float]:
+        """A step's prompt-token budget, and its cost (ms) beside the decoding batch."""
         profile = self.profile
         budget = max(1, profile.max_num_batched_tokens - self.decoding)
-        steps = max(1, -(-tokens // budget))
-        work_ms = profile.prefill_chunk_ms(0, tokens)
-        if not joins_running_prefill and self.decoding == 0:
-            work_ms += profile.prefill_base_ms
-        work_ms += steps * profile.decode_step_ms(self.decoding, self.decode_context)
-        return work_ms / 1000
+        if self.decoding:
+            return budget, profile.decode_step_ms(self.decoding, self.decode_context)
+        return budget, profile.prefill_base_ms
 
     def tpot_with(self, tokens: int) -> float:
         """Predicted time per output token if one more sequence of ``tokens`` joined the batch.
@@ -105,30 +128,44 @@ class PrefillForecast:
         """The prompt's time to first token on an idle engine: the least it can take here."""
         return self.profile.prefill_ms(tokens) / 1000 * self.scale + self.latency_s
 
-    def predict(self, tokens: int, now: float, free_at: float | None = None) -> float:
-        """When a prompt placed now would get its first token (absolute time)."""
-        free = self.free_at if free_at is None else free_at
-        busy = free > now
-        compute = self.compute_s(tokens, joins_running_prefill=busy) * self.scale
-        return max(now, free) + compute + self.latency_s
+    def predict(self, tokens: int, now: float, backlog: Backlog | None = None) -> float:
+        """When a prompt placed now would get its first token (absolute time).
 
-    def pipeline_after(self, tokens: int, now: float, free_at: float) -> float:
-        """``free_at`` once a prompt placed at ``now`` has had its compute."""
-        busy = free_at > now
-        return max(now, free_at) + self.compute_s(tokens, joins_running_prefill=busy) * self.scale
+        Args:
+            tokens: the prompt.
+            now: when it is placed.
+            backlog: the work ahead of it (default: :attr:`pipeline`).
+        """
+        return self.after(tokens, now, backlog).free_at + self.latency_s
+
+    def after(self, tokens: int, now: float, backlog: Backlog | None = None) -> Backlog:
+        """The backlog once a prompt placed at ``now`` has joined ``backlog`` (or the pipeline)."""
+        ahead = self.pipeline if backlog is None else backlog
+        if ahead.free_at <= now:
+            ahead = Backlog(now, 0, now)
+        budget, step_ms = self._step()
+        shared = ahead.tokens if now <= ahead.last_step_at else 0
+        total = shared + tokens
+        steps = -(-total // budget) - -(-shared // budget)
+        chunk_ms = self.profile.prefill_chunk_ms(0, tokens)
+        free_at = ahead.free_at + (chunk_ms + steps * step_ms) / 1000 * self.scale
+        if steps == 0:
+            return Backlog(free_at, total, ahead.last_step_at)
+        own_in_last = min(tokens, total - budget * ((total - 1) // budget))
+        last_ms = step_ms + chunk_ms * own_in_last / max(1, tokens)
+        return Backlog(free_at, total, free_at - last_ms / 1000 * self.scale)
 
     def place(self, tokens: int, now: float) -> tuple[int, float]:
         """Record a placement; return its key and predicted first-token time."""
         idle = self.free_at <= now
-        compute = self.compute_s(tokens, joins_running_prefill=not idle)
         start = max(now, self.free_at)
+        self.pipeline = self.after(tokens, now)
         self._keys += 1
         key = self._keys
-        self.pending[key] = compute * self.scale
+        self.pending[key] = self.free_at - start
         self._prompts[key] = tokens
         if idle:  # its time will be its own: it can teach the model
-            self._teachers[key] = compute
-        self.free_at = start + compute * self.scale
+            self._teachers[key] = self.pending[key] / self.scale
         return key, self.free_at + self.latency_s
 
     def first_token(
@@ -141,7 +178,7 @@ class PrefillForecast:
         """
         self.pending.pop(key, None)
         self._prompts.pop(key, None)
-        self.free_at = now + sum(self.pending.values())
+        self._replan(now)
         self.decoding += 1
         self.decode_context += tokens
         compute = self._teachers.pop(key, None)
@@ -165,10 +202,14 @@ class PrefillForecast:
 
     def abandon_prefill(self, key: int, now: float) -> None:
         """A placed request left before its first token."""
-        cost = self.pending.pop(key, 0.0)
-        self._teachers.pop(key, None)
-        self._prompts.pop(key, None)
-        self.free_at = max(now, self.free_at - cost)
+        if self.pending.pop(key, None) is not None:
+            self._teachers.pop(key, None)
+            self._prompts.pop(key, None)
+            self._replan(now)
+
+    def _replan(self, now: float) -> None:
+        """What is pending runs from now on, in steps that have started: none can be shared."""
+        self.pipeline = Backlog(now + sum(self.pending.values()), 0, now)
 
     def generated(self, tokens: int) -> None:
         """Output tokens arrived for a decoding request (its context grew)."""

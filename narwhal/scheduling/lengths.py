@@ -6,19 +6,29 @@ end), so Narwhal learns output lengths per route and ``max_tokens`` bucket from 
 token counts of completed requests, keeps the recent ones, and answers with a quantile of the
 lengths still possible: a request that has already produced ``g`` tokens is expected to stop at
 a length above ``g`` (decode correction), not at the unconditional median.
+
+A single conservative figure per request is the wrong answer to "when does the next decode slot
+free up?": with a hundred requests running, the first of them ends long before any one of them
+is expected to. :meth:`OutputLengths.remaining` therefore gives each running request's whole
+conditional distribution, as the bounds of :data:`SEGMENTS` equal shares of it, and the
+projection adds them up into the expected number of slots freed by each time
+(:mod:`narwhal.admission.predictor`).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 
 import attrs
 
-__all__ = ["OutputLengths"]
+__all__ = ["SEGMENTS", "OutputLengths"]
 
 _WINDOW = 512
 _PRIOR_TOKENS = 256
+SEGMENTS = 8
+""":meth:`OutputLengths.remaining` splits each distribution into this many equal shares."""
 
 
 def _bucket(route: str, max_tokens: int | None) -> tuple[str, int]:
@@ -76,3 +86,24 @@ class OutputLengths:
         if cap is not None:
             guess = min(guess, float(cap))
         return max(guess, generated + 1.0)
+
+    def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> list[float]:
+        """The tokens still to come, given ``generated`` so far, as a distribution.
+
+        Returns :data:`SEGMENTS` + 1 bounds, ascending: the quantiles ``0, 1/SEGMENTS, ..., 1``
+        of the lengths still possible, less ``generated``; each of the ``SEGMENTS`` shares
+        between two bounds holds an equal part of the probability. Without data for the bucket
+        every bound is the prior (the same figure as :meth:`expected_total`).
+        """
+        lengths = self._by_bucket.get(_bucket(route, max_tokens))
+        ordered = lengths.ordered if lengths is not None else []
+        start = bisect.bisect_right(ordered, generated)
+        last = len(ordered) - 1 - start
+        if last < 0:
+            left = self.expected_total(route, max_tokens, generated) - generated
+            return [left] * (SEGMENTS + 1)
+        cap = math.inf if max_tokens is None else float(max_tokens)
+        return [
+            max(1.0, min(float(ordered[start + last * share // SEGMENTS]), cap) - generated)
+            for share in range(SEGMENTS + 1)
+        ]

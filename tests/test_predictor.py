@@ -1,0 +1,136 @@
+"""The TTFT projection (pure): seats freed by running requests, and the prefill pipeline."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from narwhal.admission.predictor import project
+from narwhal.admission.queue import Waiter
+from narwhal.config import EngineConfig
+from narwhal.scheduling.engines import Engine, Slot
+from narwhal.scheduling.forecast import PrefillForecast
+from narwhal.scheduling.lengths import OutputLengths
+from narwhal.scheduling.profiles import PROFILES
+
+H100 = PROFILES["h100-llama3-8b"]
+
+
+def _engine(decode_limit: int, *, decoding: int = 0, context: int = 0) -> Engine:
+    forecast = PrefillForecast(H100, decoding=decoding, decode_context=context)
+    engine = Engine(
+        EngineConfig(name="a", url="http://127.0.0.1:1"),
+        client=cast(Any, None),
+        prefill_limit=4,
+        decode_limit=decode_limit,
+        forecast=forecast,
+    )
+    engine.state = "ready"
+    return engine
+
+
+def _running(engine: Engine, count: int, *, generated: int = 0) -> None:
+    for _ in range(count):
+        slot = Slot(engine, 1000, 0.0, phase="decode", generated_tokens=generated)
+        engine.slots[slot] = None
+
+
+def _waiter(tokens: int = 1000) -> Waiter:
+    return Waiter(tokens, False, "chat", None, enqueued_at=0.0)
+
+
+def _uniform_lengths(top: int = 400) -> OutputLengths:
+    lengths = OutputLengths()
+    for tokens in range(1, top + 1):
+        lengths.learn("chat", None, tokens)
+    return lengths
+
+
+def test_a_free_seat_means_no_wait_for_one() -> None:
+    engine = _engine(decode_limit=8)
+    projection = project(
+        [engine], [], _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.005
+    )
+    assert projection is not None
+    assert projection.wait_s == 0.0
+    assert projection.ttft_s == pytest.approx(H100.prefill_ms(1000) / 1000 + 0.005)
+
+
+def test_with_many_running_the_first_seat_frees_long_before_a_typical_end() -> None:
+    # 100 requests decode, output lengths uniform over 1..400: the first of them ends after a
+    # few tokens, not after the median's 200.
+    engine = _engine(decode_limit=100, decoding=100, context=100_000)
+    _running(engine, 100)
+    projection = project(
+        [engine], [], _waiter(), _uniform_lengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
+    )
+    assert projection is not None
+    tpot = engine.forecast.tpot_s()
+    assert 0 < projection.wait_s <= 10 * tpot
+
+
+def test_each_request_ahead_takes_the_next_seat() -> None:
+    engine = _engine(decode_limit=100, decoding=100, context=100_000)
+    _running(engine, 100)
+    lengths = _uniform_lengths()
+    alone = project([engine], [], _waiter(), lengths, now=0.0, elapsed_s=0.0, overhead_s=0.0)
+    behind = project(
+        [engine],
+        [_waiter() for _ in range(50)],
+        _waiter(),
+        lengths,
+        now=0.0,
+        elapsed_s=0.0,
+        overhead_s=0.0,
+    )
+    assert alone is not None and behind is not None
+    tpot = engine.forecast.tpot_s()
+    # The 51st end of 100 uniform lengths over 1..400: about a 51/101 share of 400 tokens.
+    assert behind.wait_s == pytest.approx(51 / 101 * 400 * tpot, rel=0.1)
+    assert behind.wait_s > 10 * alone.wait_s
+
+
+def test_requests_that_already_ran_long_are_expected_to_run_longer() -> None:
+    fresh, old = (
+        _engine(decode_limit=10, decoding=10, context=10_000),
+        _engine(decode_limit=10, decoding=10, context=10_000),
+    )
+    _running(fresh, 10, generated=0)
+    _running(old, 10, generated=390)
+    lengths = _uniform_lengths()
+    for engine in (fresh, old):
+        projection = project(
+            [engine], [], _waiter(), lengths, now=0.0, elapsed_s=0.0, overhead_s=0.0
+        )
+        assert projection is not None
+    a = project([fresh], [], _waiter(), lengths, now=0.0, elapsed_s=0.0, overhead_s=0.0)
+    b = project([old], [], _waiter(), lengths, now=0.0, elapsed_s=0.0, overhead_s=0.0)
+    assert a is not None and b is not None
+    assert b.wait_s < a.wait_s  # at most 10 tokens left of 400
+
+
+def test_prompts_that_fit_one_step_share_it() -> None:
+    # Eight 1,000-token prompts fit in one step of 8,192 tokens beside 100 decodes: the eighth
+    # waits for the chunks ahead of it and one decode step, not eight.
+    engine = _engine(decode_limit=200, decoding=100, context=100_000)
+    ahead = [_waiter() for _ in range(7)]
+    projection = project(
+        [engine], ahead, _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
+    )
+    assert projection is not None
+    step = H100.decode_step_ms(100, 100_000)
+    expected_ms = 8 * H100.prefill_chunk_ms(0, 1000) + step
+    assert projection.ttft_s * 1000 == pytest.approx(expected_ms)
+
+
+def test_a_prompt_past_the_step_budget_pays_another_step() -> None:
+    engine = _engine(decode_limit=200, decoding=100, context=100_000)
+    ahead = [_waiter(4000), _waiter(4000)]  # 8,000 tokens: the budget is 8,092
+    projection = project(
+        [engine], ahead, _waiter(1000), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
+    )
+    assert projection is not None
+    step = H100.decode_step_ms(100, 100_000)
+    chunks = 2 * H100.prefill_chunk_ms(0, 4000) + H100.prefill_chunk_ms(0, 1000)
+    assert projection.ttft_s * 1000 == pytest.approx(chunks + 2 * step)
