@@ -46,7 +46,7 @@ from narwhal.bench.goodput import Capacity, Outcome, engine_seconds
 from narwhal.bench.inprocess import InProcessFleet, open_fleet
 from narwhal.bench.load import StreamTimer, percentile
 from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncate
-from narwhal.config import Config, EngineConfig, ServingConfig, UpstreamConfig
+from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig, UpstreamConfig
 from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.profiles import get_profile
 from narwhal.web import completions
@@ -109,9 +109,16 @@ class VirtualSetup:
 def default_router(
     engines: int = 2, *, model: str = "llama-3.1-8b-instruct", profile: str = "h100-llama3-8b"
 ) -> Config:
-    """The router the benchmark measures: the shipped defaults, ``engines`` vLLM engines."""
+    """The router the benchmark measures: ``engines`` vLLM engines, the shipped defaults but one.
+
+    ``decode_concurrency`` is the engines' batch size (``max_num_seqs`` of their profile), as
+    the docs advise (docs: Admission control, "Choosing the limits"): the shipped 128 is half
+    of what the simulated engines batch, and would cap the router below their capacity.
+    """
+    batch = get_profile(profile).max_num_seqs
     return Config(
         serving=ServingConfig(model=model),
+        admission=AdmissionConfig(decode_concurrency=batch),
         upstream=UpstreamConfig(read_timeout_s=600),
         engines=tuple(
             EngineConfig(

@@ -238,11 +238,13 @@ class Slot:
         engine.decode += 1
         self.phase = "decode"
         self.context_tokens = self.prompt_tokens
+        now = trio.current_time()
+        engine.forecast.saw_step(now)
         engine.forecast.first_token(
             self.key,
             placed_at=self.placed_at,
             predicted=self.predicted_first_token_at,
-            now=trio.current_time(),
+            now=now,
             tokens=self.prompt_tokens,
         )
 
@@ -251,7 +253,9 @@ class Slot:
         self.generated_tokens += tokens
         if self.phase == "decode" and tokens:
             self.context_tokens += tokens
-            self.engine.forecast.generated(tokens)
+            forecast = self.engine.forecast
+            forecast.generated(tokens)
+            forecast.saw_step(trio.current_time())
 
     def release(self) -> None:
         """Give the slot back (idempotent)."""

@@ -19,10 +19,12 @@ time is their own): ``scale`` multiplies the profile's compute (a slower or fast
 its profile; the engine's drift) and ``latency_s`` is added. The two are fitted together by
 normalised least mean squares on ``observed = latency + scale * compute``, so prompts of
 different sizes tell them apart; with one size only, the part that is larger explains more.
-When a first token arrives, the pipeline is replanned from the compute still pending.
+When a first token arrives, the rest of the pipeline moves by as much as that prompt was late.
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 
@@ -74,11 +76,16 @@ class PrefillForecast:
     latency_s: float = 0.0
     decode_scale: float = 1.0
     pipeline: Backlog = attrs.field(factory=Backlog)
+    step_seen_at: float = -math.inf
     pending: dict[int, float] = attrs.field(factory=dict)
     decoding: int = 0
     decode_context: int = 0
     _keys: int = 0
-    _teachers: dict[int, float] = attrs.field(factory=dict)
+    _teachers: dict[int, tuple[float, float]] = attrs.field(factory=dict)
+    _done: dict[int, float] = attrs.field(factory=dict)  # predicted compute end, less _shift
+    _rate: float = 0.0  # see _token_rate
+    _rate_at: float = 0.0
+    _shift: float = 0.0  # how late the pipeline runs on what was predicted at placement
     _prompts: dict[int, int] = attrs.field(factory=dict)
 
     @property
@@ -140,32 +147,63 @@ class PrefillForecast:
 
     def after(self, tokens: int, now: float, backlog: Backlog | None = None) -> Backlog:
         """The backlog once a prompt placed at ``now`` has joined ``backlog`` (or the pipeline)."""
+        return self._cost(tokens, now, backlog)[0]
+
+    def _cost(
+        self, tokens: int, now: float, backlog: Backlog | None
+    ) -> tuple[Backlog, float, float]:
+        """The backlog after the prompt, its profiled compute and its wait for a running step.
+
+        Returns ``(backlog, compute_s, wait_s)``: ``scale`` multiplies the compute; the wait is
+        what is left of the decode step running now, from when output last arrived.
+        """
         ahead = self.pipeline if backlog is None else backlog
+        budget, step_ms = self._step()
+        wait_s = 0.0
         if ahead.free_at <= now:
             ahead = Backlog(now, 0, now)
-        budget, step_ms = self._step()
+            if self.decoding:  # a decode step is running: the prompt waits for its end
+                step_s = step_ms / 1000 * self.scale
+                since = now - self.step_seen_at
+                wait_s = step_s - since if 0 <= since < step_s else 0.0
         shared = ahead.tokens if now <= ahead.last_step_at else 0
         total = shared + tokens
         steps = -(-total // budget) - -(-shared // budget)
-        chunk_ms = self.profile.prefill_chunk_ms(0, tokens)
-        free_at = ahead.free_at + (chunk_ms + steps * step_ms) / 1000 * self.scale
+        compute_ms = self.profile.prefill_chunk_ms(0, tokens) + steps * step_ms
+        if wait_s:  # prompts placed while it waits join its step, after it
+            joining = min(budget - tokens, self._token_rate(now) * wait_s) if budget > tokens else 0
+            compute_ms += self.profile.prefill_per_token_ms * joining
+        compute_s = compute_ms / 1000
+        free_at = ahead.free_at + wait_s + compute_s * self.scale
         if steps == 0:
-            return Backlog(free_at, total, ahead.last_step_at)
-        own_in_last = min(tokens, total - budget * ((total - 1) // budget))
-        last_ms = step_ms + chunk_ms * own_in_last / max(1, tokens)
-        return Backlog(free_at, total, free_at - last_ms / 1000 * self.scale)
+            last_step_at = ahead.last_step_at
+        else:
+            own_in_last = min(tokens, total - budget * ((total - 1) // budget))
+            last_ms = step_ms + self.profile.prefill_chunk_ms(0, own_in_last)
+            last_step_at = free_at - last_ms / 1000 * self.scale
+        return Backlog(free_at, total, last_step_at), compute_s, wait_s
+
+    def _token_rate(self, now: float) -> float:
+        """Prompt tokens placed here per second, recently (a one-second moving average)."""
+        return self._rate * math.exp(self._rate_at - now) if now > self._rate_at else self._rate
+
+    def saw_step(self, now: float) -> None:
+        """Output arrived from this engine: one of its steps ended ``now``."""
+        self.step_seen_at = now
 
     def place(self, tokens: int, now: float) -> tuple[int, float]:
         """Record a placement; return its key and predicted first-token time."""
         idle = self.free_at <= now
         start = max(now, self.free_at)
-        self.pipeline = self.after(tokens, now)
+        self.pipeline, chunk_s, fixed_s = self._cost(tokens, now, None)
+        self._rate, self._rate_at = self._token_rate(now) + tokens, now
         self._keys += 1
         key = self._keys
         self.pending[key] = self.free_at - start
         self._prompts[key] = tokens
+        self._done[key] = self.free_at - self._shift
         if idle:  # its time will be its own: it can teach the model
-            self._teachers[key] = self.pending[key] / self.scale
+            self._teachers[key] = (chunk_s, fixed_s)
         return key, self.free_at + self.latency_s
 
     def first_token(
@@ -173,24 +211,37 @@ class PrefillForecast:
     ) -> None:
         """A placed request got its first token: replan the pipeline and learn.
 
-        The engine serves prefills first come, first served, so what is still pending starts
-        now at the latest: the pipeline is free once their predicted compute has run.
+        The engine serves prefills first come, first served: when this prompt's compute is
+        done, so is everything placed before it, and what was placed after it is as late (or
+        as early) as it was. The rest of the pipeline moves by that much.
         """
         self.pending.pop(key, None)
         self._prompts.pop(key, None)
-        self._replan(now)
+        done = self._done.pop(key, None)
+        if not self.pending:
+            self.pipeline, self._shift = Backlog(now, 0, now), 0.0
+        elif done is not None:
+            late = now - self.latency_s - (done + self._shift)
+            self._shift += late
+            pipeline = self.pipeline
+            self.pipeline = Backlog(
+                max(now, pipeline.free_at + late), pipeline.tokens, pipeline.last_step_at + late
+            )
         self.decoding += 1
         self.decode_context += tokens
-        compute = self._teachers.pop(key, None)
-        if compute is not None:
-            self._learn(observed=now - placed_at, compute=compute)
+        teacher = self._teachers.pop(key, None)
+        if teacher is not None:
+            chunk_s, fixed_s = teacher
+            self._learn(observed=now - placed_at - fixed_s, compute=chunk_s)
 
     def _learn(self, *, observed: float, compute: float) -> None:
         x_latency, x_compute = 1.0, compute / _LATENCY_UNIT_S
         w_latency, w_compute = self.latency_s / _LATENCY_UNIT_S, self.scale
         predicted = w_latency * x_latency + w_compute * x_compute
-        # One outlier (a stall, a hiccup) moves the model by at most a factor of two.
-        target = min(max(observed / _LATENCY_UNIT_S, predicted / 2), predicted * 2)
+        # Times to first token have a long tail (a prompt shares its step with whatever arrives
+        # while the step before it runs): clipping each error to a quarter of the prediction
+        # moves the model towards the typical case, the median, more than towards the mean.
+        target = min(max(observed / _LATENCY_UNIT_S, predicted * 0.8), predicted * 1.25)
         error = target - predicted
         norm = x_latency * x_latency + x_compute * x_compute
         w_latency += _LEARNING_RATE * error * x_latency / norm
@@ -202,14 +253,22 @@ class PrefillForecast:
 
     def abandon_prefill(self, key: int, now: float) -> None:
         """A placed request left before its first token."""
-        if self.pending.pop(key, None) is not None:
-            self._teachers.pop(key, None)
-            self._prompts.pop(key, None)
-            self._replan(now)
-
-    def _replan(self, now: float) -> None:
-        """What is pending runs from now on, in steps that have started: none can be shared."""
-        self.pipeline = Backlog(now + sum(self.pending.values()), 0, now)
+        cost = self.pending.pop(key, None)
+        if cost is None:
+            return
+        self._teachers.pop(key, None)
+        self._done.pop(key, None)
+        tokens = self._prompts.pop(key, 0)
+        if not self.pending:
+            self.pipeline, self._shift = Backlog(now, 0, now), 0.0
+            return
+        self._shift -= cost
+        pipeline = self.pipeline
+        self.pipeline = Backlog(
+            max(now, pipeline.free_at - cost),
+            max(0, pipeline.tokens - tokens),
+            pipeline.last_step_at - cost,
+        )
 
     def generated(self, tokens: int) -> None:
         """Output tokens arrived for a decoding request (its context grew)."""
