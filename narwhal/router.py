@@ -16,6 +16,7 @@ import trio
 
 from narwhal.admission.accounting import Accounting, AccountingStatistics
 from narwhal.admission.limits import RetentionLimit, RetentionStatistics
+from narwhal.admission.margin import SafetyMargin
 from narwhal.admission.queue import AdmissionQueue, QueueStatistics
 from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config, ConfigError
@@ -118,6 +119,7 @@ class Router:
                 raise ConfigError(f"serving.tokenizer: {exc}") from exc
         self.sizer = Sizer(counter)
         self.lengths = OutputLengths()
+        self.margin = SafetyMargin()
         self.state: RouterState = "active"
         self.state_reason: str | None = None
         self.metrics = Metrics(self)

@@ -26,7 +26,6 @@ the projection is strictly over the budget, the client is told when to come back
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -35,20 +34,42 @@ import attrs
 from narwhal.admission.queue import Waiter
 from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.engines import Engine
-from narwhal.scheduling.lengths import SEGMENTS, OutputLengths
+from narwhal.scheduling.lengths import SEGMENTS, OutputLengths, Remaining
 
 __all__ = ["Projection", "check_budget", "project"]
 
 
 @attrs.frozen
 class Projection:
-    """A projected time to first token, and its parts (seconds)."""
+    """A projected time to first token, and its parts (seconds).
+
+    Attributes:
+        ttft_s: the projection admission decides on: ``typical_s`` times the safety margin.
+        typical_s: the typical first token (as likely earlier as later).
+        wait_s: the wait for a seat and the prefills ahead.
+        own_prefill_s: the request's own prefill.
+        prompt_alone_s: the prompt alone on the fastest idle eligible engine.
+        engine: where it would go.
+    """
 
     ttft_s: float
+    typical_s: float
     wait_s: float
     own_prefill_s: float
     prompt_alone_s: float
     engine: str
+
+
+class _Running:
+    """One running request in the sweep: where its end distribution stands."""
+
+    __slots__ = ("rate", "rest", "share", "start")
+
+    def __init__(self, start: float, rest: Remaining) -> None:
+        self.start = start  # when its decoding starts (now, or its predicted first token)
+        self.rest = rest
+        self.share = 0  # the sweep has passed bound ``share``
+        self.rate = 0.0  # its expected ends per second since that bound
 
 
 class _Ends:
@@ -56,48 +77,53 @@ class _Ends:
 
     Each running request's end is a distribution (its remaining output, in equal shares, at
     the engine's time per output token): uniform within each share, a point where a share has
-    no width. Summed, the expected number of ends by time ``t`` is piecewise linear; the sweep
-    walks it once, in order, as the replay takes seats.
+    no width. Summed, the expected number of ends by time ``t`` is piecewise linear. The sweep
+    walks it once, in order, as the replay takes seats, and reads each request's next bound only
+    when the sweep reaches the one before: a short queue costs about one step per running
+    request.
     """
 
-    __slots__ = ("_events", "_freed", "_index", "_slope", "_taken", "_time")
+    __slots__ = ("_freed", "_knots", "_slope", "_taken", "_time", "_tpot_s")
 
-    def __init__(self, events: list[tuple[float, float, float]], now: float) -> None:
-        events.sort()
-        self._events = events  # (time, ends at that instant, change of ends per second)
-        self._index = 0
-        self._time = now
+    def __init__(self, plan: _EnginePlan) -> None:
+        self._tpot_s = tpot = plan.tpot_s
+        knots: list[tuple[float, int, _Running]] = []  # (next bound's time, tie-breaker, who)
+        for number, slot in enumerate(plan.engine.slots):
+            start = plan.now
+            if slot.phase == "prefill":
+                start = max(start, slot.predicted_first_token_at)
+            rest = plan.lengths.remaining(slot.route, slot.max_tokens, slot.generated_tokens)
+            knots.append((start + rest.bound(0) * tpot, number, _Running(start, rest)))
+        heapq.heapify(knots)
+        self._knots = knots
+        self._time = plan.now
         self._freed = 0.0
         self._slope = 0.0
         self._taken = 0
 
-    @classmethod
-    def of(cls, plan: _EnginePlan) -> _Ends:
-        share = 1.0 / SEGMENTS
-        events: list[tuple[float, float, float]] = []
-        for slot in plan.engine.slots:
-            start = plan.now
-            if slot.phase == "prefill":
-                start = max(start, slot.predicted_first_token_at)
-            bounds = plan.lengths.remaining(slot.route, slot.max_tokens, slot.generated_tokens)
-            ends = [start + tokens * plan.tpot_s for tokens in bounds]
-            for low, high in itertools.pairwise(ends):
-                if high - low > 1e-12:
-                    rate = share / (high - low)
-                    events.append((low, 0.0, rate))
-                    events.append((high, 0.0, -rate))
-                else:
-                    events.append((low, share, 0.0))
-        return cls(events, plan.now)
+    def _pass_knot(self) -> None:
+        """Move past the earliest bound of some request (the sweep's time is there)."""
+        at, number, running = heapq.heappop(self._knots)
+        self._slope = max(0.0, self._slope - running.rate)
+        running.rate = 0.0
+        weight = 1.0 / SEGMENTS
+        while running.share < SEGMENTS:
+            following = running.start + running.rest.bound(running.share + 1) * self._tpot_s
+            running.share += 1
+            if following - at > 1e-12:
+                running.rate = weight / (following - at)
+                self._slope += running.rate
+                heapq.heappush(self._knots, (following, number, running))
+                return
+            self._freed += weight  # a share with no width: its ends come at once
 
     def next(self) -> float:
         """When the next seat frees (``inf`` when the running requests cannot free one)."""
         target = self._taken + 0.5
-        events = self._events
         while True:
             if self._freed >= target - 1e-9:
                 return self._time
-            upcoming = events[self._index][0] if self._index < len(events) else math.inf
+            upcoming = self._knots[0][0] if self._knots else math.inf
             if self._slope > 1e-12:
                 hit = self._time + (target - self._freed) / self._slope
                 if hit <= upcoming:
@@ -106,11 +132,7 @@ class _Ends:
                 return math.inf
             self._freed += self._slope * (upcoming - self._time)
             self._time = upcoming
-            while self._index < len(events) and events[self._index][0] == upcoming:
-                _, jump, change = events[self._index]
-                self._freed += jump
-                self._slope = max(0.0, self._slope + change)
-                self._index += 1
+            self._pass_knot()
 
     def take(self) -> float:
         """Take the next seat; return when it frees."""
@@ -138,7 +160,7 @@ class _EnginePlan:
     @property
     def ends(self) -> _Ends:
         if self._ends is None:
-            self._ends = _Ends.of(self)
+            self._ends = _Ends(self)
         return self._ends
 
     def next_seat(self) -> float:
@@ -169,7 +191,7 @@ class _EnginePlan:
         forecast = self.engine.forecast
         self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog)
         first = self.backlog.free_at + forecast.latency_s
-        bounds = self.lengths.remaining(waiter.route, waiter.max_tokens)
+        bounds = self.lengths.remaining(waiter.route, waiter.max_tokens).bounds()
         heapq.heappush(self.placed, first + sum(bounds) / len(bounds) * self.tpot_s)
 
 
@@ -182,6 +204,7 @@ def project(
     now: float,
     elapsed_s: float,
     overhead_s: float,
+    margin: float = 1.0,
 ) -> Projection | None:
     """Project the TTFT of a request arriving now; ``None`` when no engine could serve it.
 
@@ -193,6 +216,7 @@ def project(
         now: the Trio clock.
         elapsed_s: time this request already spent in the router.
         overhead_s: ``admission.frontend_overhead_s``.
+        margin: the safety factor (:class:`~narwhal.admission.margin.SafetyMargin`).
     """
     plans = [_EnginePlan(engine, lengths, now) for engine in engines if engine.eligible]
     for waiter in ahead:
@@ -209,8 +233,10 @@ def project(
         for p in plans
         if p.engine.provides_token_ids or not request.need_token_ids
     )
+    typical = elapsed_s + (first_token_at - now) + overhead_s
     return Projection(
-        ttft_s=elapsed_s + (first_token_at - now) + overhead_s,
+        ttft_s=typical * margin,
+        typical_s=typical,
         wait_s=start - now,
         own_prefill_s=first_token_at - start,
         prompt_alone_s=alone + overhead_s,

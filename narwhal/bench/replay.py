@@ -231,7 +231,7 @@ def _hooks(fleet: InProcessFleet) -> Iterator[None]:
         if probe is None:
             original(projection, budget_s)
             return
-        probe.projected_ttft_s = projection.ttft_s
+        probe.projected_ttft_s = projection.typical_s
         if not probe.forced:
             original(projection, budget_s)
             return

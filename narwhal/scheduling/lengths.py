@@ -20,10 +20,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["SEGMENTS", "OutputLengths"]
+__all__ = ["SEGMENTS", "OutputLengths", "Remaining"]
 
 _WINDOW = 512
 _PRIOR_TOKENS = 256
@@ -87,23 +88,45 @@ class OutputLengths:
             guess = min(guess, float(cap))
         return max(guess, generated + 1.0)
 
-    def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> list[float]:
-        """The tokens still to come, given ``generated`` so far, as a distribution.
-
-        Returns :data:`SEGMENTS` + 1 bounds, ascending: the quantiles ``0, 1/SEGMENTS, ..., 1``
-        of the lengths still possible, less ``generated``; each of the ``SEGMENTS`` shares
-        between two bounds holds an equal part of the probability. Without data for the bucket
-        every bound is the prior (the same figure as :meth:`expected_total`).
-        """
+    def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> Remaining:
+        """The tokens still to come, given ``generated`` so far, as a distribution."""
         lengths = self._by_bucket.get(_bucket(route, max_tokens))
         ordered = lengths.ordered if lengths is not None else []
         start = bisect.bisect_right(ordered, generated)
-        last = len(ordered) - 1 - start
-        if last < 0:
+        if start >= len(ordered):
             left = self.expected_total(route, max_tokens, generated) - generated
-            return [left] * (SEGMENTS + 1)
+            return Remaining((), 0, 0, left, 0)
         cap = math.inf if max_tokens is None else float(max_tokens)
-        return [
-            max(1.0, min(float(ordered[start + last * share // SEGMENTS]), cap) - generated)
-            for share in range(SEGMENTS + 1)
-        ]
+        return Remaining(ordered, start, len(ordered) - 1 - start, cap, generated)
+
+
+class Remaining:
+    """One request's remaining output as a distribution, in :data:`SEGMENTS` equal shares.
+
+    :meth:`bound` ``(j)`` is the quantile ``j / SEGMENTS`` of the lengths still possible, less
+    what was generated: each share between two consecutive bounds holds an equal part of the
+    probability. Without data every bound is the prior. Bounds are computed when asked for:
+    the projection rarely needs more than the first few of each running request.
+    """
+
+    __slots__ = ("_cap", "_generated", "_last", "_ordered", "_start")
+
+    def __init__(
+        self, ordered: Sequence[int], start: int, last: int, cap: float, generated: int
+    ) -> None:
+        self._ordered = ordered
+        self._start = start
+        self._last = last
+        self._cap = cap  # with no data: the prior's remaining tokens
+        self._generated = generated
+
+    def bound(self, share: int) -> float:
+        """Remaining tokens at the quantile ``share / SEGMENTS`` (at least one)."""
+        if not self._ordered:
+            return self._cap
+        length = self._ordered[self._start + self._last * share // SEGMENTS]
+        return max(1.0, min(float(length), self._cap) - self._generated)
+
+    def bounds(self) -> list[float]:
+        """Every bound, ``0`` to ``SEGMENTS``."""
+        return [self.bound(share) for share in range(SEGMENTS + 1)]

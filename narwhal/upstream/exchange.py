@@ -11,6 +11,7 @@ The module holds no deadlines: the caller opens the request's cancel scopes arou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -34,9 +35,13 @@ log = logging.getLogger(__name__)
 
 @attrs.define
 class Measurements:
-    """What a request taught us: TTFT, inter-token gaps, output tokens (by ID where known)."""
+    """What a request taught us: TTFT, inter-token gaps, output tokens (by ID where known).
+
+    ``predicted_ttft`` is the forecast at placement (from arrival).
+    """
 
     arrival: float
+    on_first_output: Callable[[float], None] | None = None  # called with the TTFT
     first_output_at: float | None = None
     last_output_at: float | None = None
     output_tokens: int = 0
@@ -75,6 +80,8 @@ class Exchange:
                 measured.first_output_at = now
                 measured.predicted_ttft = self.slot.predicted_first_token_at - measured.arrival
                 self.slot.to_decode()
+                if measured.on_first_output is not None:
+                    measured.on_first_output(now - measured.arrival)
             elif measured.last_output_at is not None:
                 gap = now - measured.last_output_at
                 measured.gaps.append(gap)
@@ -148,9 +155,16 @@ class Exchange:
 
 
 async def open_exchange(
-    pool: EnginePool, request: CompletionRequest, slot: Slot, arrival: float
+    pool: EnginePool,
+    request: CompletionRequest,
+    slot: Slot,
+    arrival: float,
+    *,
+    on_first_output: Callable[[float], None] | None = None,
 ) -> Exchange:
     """Open ``request``'s upstream stream on its placement and read until headers may go out.
+
+    ``on_first_output`` is called with the TTFT when the first output event arrives.
 
     Before headers, a failed attempt is retried once, on a different eligible engine with a free
     prefill slot now; without one, or when the retry fails too, the answer is a 502.
@@ -166,7 +180,7 @@ async def open_exchange(
         engine = next_slot.engine
         tried.append(engine)
         try:
-            return await _attempt(next_slot, request, arrival)
+            return await _attempt(next_slot, request, Measurements(arrival, on_first_output))
         except (EngineError, EngineResponseError) as exc:
             log.warning("attempt on engine %s failed: %s", engine.name, exc.message)
             engine.failed += 1
@@ -189,7 +203,7 @@ async def open_exchange(
     raise EngineError(f"The engines failed to answer: {failure.message}")
 
 
-async def _attempt(slot: Slot, request: CompletionRequest, arrival: float) -> Exchange:
+async def _attempt(slot: Slot, request: CompletionRequest, measurements: Measurements) -> Exchange:
     engine = slot.engine
     token_ids = engine.provides_token_ids
     body, exposure = upstream_body(request, token_ids=token_ids)
@@ -198,7 +212,7 @@ async def _attempt(slot: Slot, request: CompletionRequest, arrival: float) -> Ex
     except BaseException:
         slot.release()
         raise
-    exchange = Exchange(request, engine, stream, exposure, slot, Measurements(arrival))
+    exchange = Exchange(request, engine, stream, exposure, slot, measurements)
     try:
         await exchange.read_until_headers()
     except BaseException:

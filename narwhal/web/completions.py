@@ -16,6 +16,7 @@ generator) wherever the request is waiting, and the ``finally`` clauses close th
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, cast
 
 import attrs
@@ -151,6 +152,8 @@ async def _serve(life: _Life, route: Route) -> Response:
             )
         tokens = router.sizer.prompt_tokens(parsed)
         life.ticket.sized = True
+        projection = None
+        budget = admission.ttft_budget_s
         if admission.mode == "predictive":
             now = trio.current_time()
             projection = project(
@@ -161,10 +164,11 @@ async def _serve(life: _Life, route: Route) -> Response:
                 now=now,
                 elapsed_s=now - life.arrival,
                 overhead_s=admission.frontend_overhead_s,
+                margin=router.margin.factor,
             )
             if projection is None:
                 raise _no_engine()
-            check_budget(projection, admission.ttft_budget_s)
+            check_budget(projection, budget)
         elif not router.pool.any_eligible(need_token_ids=need_ids):
             raise _no_engine()
         waiter = Waiter(tokens, need_ids, route, parsed.max_output_tokens)
@@ -173,7 +177,12 @@ async def _serve(life: _Life, route: Route) -> Response:
             router.queue.enqueue(waiter)
             slot = await router.queue.wait_for_placement(waiter, admission.admission_wait_s)
         router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
-        life.exchange = exchange = await open_exchange(router.pool, parsed, slot, life.arrival)
+        teach = None
+        if projection is not None:  # the margin learns how the projection fared
+            teach = partial(router.margin.observe, projection.typical_s, budget_s=budget)
+        life.exchange = exchange = await open_exchange(
+            router.pool, parsed, slot, life.arrival, on_first_output=teach
+        )
         if parsed.stream:
             life.handed_over = True
             response = Response(
