@@ -34,6 +34,8 @@ class SafetyMargin:
         min_samples: below this many, the factor is ``prior``.
         prior: the factor before anything is learned.
         floor_share: projections under this share of the budget do not teach.
+        least: the factor never goes below this: the error of the recent past is not a
+            promise, and a burst makes every projection of its moment wrong together.
     """
 
     quantile: float = 0.99
@@ -41,6 +43,7 @@ class SafetyMargin:
     min_samples: int = 32
     prior: float = 2.0
     floor_share: float = 0.25
+    least: float = 1.4
     _recent: deque[float] = attrs.field(init=False, factory=deque)
     _ordered: list[float] = attrs.field(init=False, factory=list)
 
@@ -50,7 +53,7 @@ class SafetyMargin:
         ordered = self._ordered
         if len(ordered) < self.min_samples:
             return self.prior
-        return max(1.0, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
+        return max(self.least, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
 
     def observe(self, projected_s: float, observed_s: float, budget_s: float) -> None:
         """An admitted request projected at ``projected_s`` saw its first at ``observed_s``."""

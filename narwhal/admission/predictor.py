@@ -34,7 +34,7 @@ import attrs
 from narwhal.admission.queue import Waiter
 from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.engines import Engine
-from narwhal.scheduling.lengths import SEGMENTS, OutputLengths, Remaining
+from narwhal.scheduling.lengths import SEGMENTS, Census, OutputLengths, Remaining
 
 __all__ = ["Projection", "check_budget", "project"]
 
@@ -92,7 +92,7 @@ class _Ends:
             start = plan.now
             if slot.phase == "prefill":
                 start = max(start, slot.predicted_first_token_at)
-            rest = plan.lengths.remaining(slot.route, slot.max_tokens, slot.generated_tokens)
+            rest = plan.census.remaining(slot.route, slot.max_tokens, slot.generated_tokens)
             knots.append((start + rest.bound(0) * tpot, number, _Running(start, rest)))
         heapq.heapify(knots)
         self._knots = knots
@@ -144,12 +144,12 @@ class _Ends:
 class _EnginePlan:
     """One engine's seats and pipeline as the replay goes."""
 
-    __slots__ = ("_ends", "backlog", "engine", "free", "lengths", "now", "placed", "tpot_s")
+    __slots__ = ("_ends", "backlog", "census", "engine", "free", "now", "placed", "tpot_s")
 
-    def __init__(self, engine: Engine, lengths: OutputLengths, now: float) -> None:
+    def __init__(self, engine: Engine, census: Census, now: float) -> None:
         forecast = engine.forecast
         self.engine = engine
-        self.lengths = lengths
+        self.census = census
         self.now = now
         self.backlog = forecast.pipeline
         self.tpot_s = forecast.tpot_s()
@@ -191,7 +191,7 @@ class _EnginePlan:
         forecast = self.engine.forecast
         self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog)
         first = self.backlog.free_at + forecast.latency_s
-        bounds = self.lengths.remaining(waiter.route, waiter.max_tokens).bounds()
+        bounds = self.census.remaining(waiter.route, waiter.max_tokens).bounds()
         heapq.heappush(self.placed, first + sum(bounds) / len(bounds) * self.tpot_s)
 
 
@@ -218,7 +218,13 @@ def project(
         overhead_s: ``admission.frontend_overhead_s``.
         margin: the safety factor (:class:`~narwhal.admission.margin.SafetyMargin`).
     """
-    plans = [_EnginePlan(engine, lengths, now) for engine in engines if engine.eligible]
+    engines = list(engines)
+    census = lengths.census(
+        (slot.route, slot.max_tokens, slot.generated_tokens)
+        for engine in engines
+        for slot in engine.slots
+    )
+    plans = [_EnginePlan(engine, census, now) for engine in engines if engine.eligible]
     for waiter in ahead:
         plan = _earliest(plans, waiter.prompt_tokens, waiter.need_token_ids)
         if plan is not None:

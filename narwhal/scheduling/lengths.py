@@ -20,11 +20,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
-__all__ = ["SEGMENTS", "OutputLengths", "Remaining"]
+__all__ = ["SEGMENTS", "Census", "OutputLengths", "Remaining"]
 
 _WINDOW = 512
 _PRIOR_TOKENS = 256
@@ -89,15 +89,82 @@ class OutputLengths:
         return max(guess, generated + 1.0)
 
     def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> Remaining:
-        """The tokens still to come, given ``generated`` so far, as a distribution."""
-        lengths = self._by_bucket.get(_bucket(route, max_tokens))
-        ordered = lengths.ordered if lengths is not None else []
-        start = bisect.bisect_right(ordered, generated)
-        if start >= len(ordered):
-            left = self.expected_total(route, max_tokens, generated) - generated
-            return Remaining((), 0, 0, left, 0)
+        """The tokens still to come for one request, given ``generated`` so far.
+
+        Learned from the completed requests alone; :meth:`census` also counts the running ones.
+        """
+        return self.census(()).remaining(route, max_tokens, generated)
+
+    def census(self, running: Iterable[tuple[str, int | None, int]]) -> Census:
+        """The distributions as the requests running now, ``(route, max_tokens, generated)``,
+        complete them (see :class:`Census`)."""
+        return Census(self, running)
+
+    def _distribution(self, key: tuple[str, int], running: list[int]) -> _Distribution:
+        lengths = self._by_bucket.get(key)
+        return _Distribution(lengths.ordered if lengths is not None else [], running)
+
+
+class Census:
+    """The output-length distributions, with the running requests counted in.
+
+    The window holds *completed* requests, and under a sudden load the long ones have not
+    completed yet: learned from completions alone, lengths come out short, and the projection
+    frees decode slots too early. Each running request is evidence too: its length is more than
+    what it has generated so far. The Kaplan-Meier estimator takes both, completed lengths as
+    observed and running requests as censored at their current length, per bucket, when a
+    projection first asks for it.
+    """
+
+    def __init__(
+        self, lengths: OutputLengths, running: Iterable[tuple[str, int | None, int]]
+    ) -> None:
+        self._lengths = lengths
+        self._running: dict[tuple[str, int], list[int]] = {}
+        for route, max_tokens, generated in running:
+            self._running.setdefault(_bucket(route, max_tokens), []).append(generated)
+        self._distributions: dict[tuple[str, int], _Distribution] = {}
+
+    def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> Remaining:
+        """The tokens still to come for a request that has generated ``generated``."""
+        key = _bucket(route, max_tokens)
+        distribution = self._distributions.get(key)
+        if distribution is None:
+            distribution = self._lengths._distribution(key, self._running.get(key, []))
+            self._distributions[key] = distribution
         cap = math.inf if max_tokens is None else float(max_tokens)
-        return Remaining(ordered, start, len(ordered) - 1 - start, cap, generated)
+        if not distribution.lengths:
+            prior = min(float(max(_PRIOR_TOKENS, generated + 1)), max(cap, generated + 1.0))
+            return Remaining(distribution, generated, cap, prior - generated)
+        return Remaining(distribution, generated, cap)
+
+
+class _Distribution:
+    """One bucket's Kaplan-Meier survival curve: ``P(length > lengths[i]) = -drops[i]``."""
+
+    __slots__ = ("drops", "lengths", "tail")
+
+    def __init__(self, completed: Sequence[int], running: list[int]) -> None:
+        running = sorted(running)
+        self.lengths: list[int] = []
+        self.drops: list[float] = []  # minus the survival, so that it ascends (for bisect)
+        survival = 1.0
+        index = 0
+        while index < len(completed):
+            length = completed[index]
+            ended = bisect.bisect_right(completed, length, lo=index) - index
+            at_risk = len(completed) - index + len(running) - bisect.bisect_left(running, length)
+            survival *= 1.0 - ended / at_risk
+            self.lengths.append(length)
+            self.drops.append(-survival)
+            index += ended
+        longest = max(completed[-1] if completed else 0, running[-1] + 1 if running else 0)
+        self.tail = longest * 1.25  # past everything seen: a quarter more than the longest
+
+    def survival(self, generated: int) -> float:
+        """``P(length > generated)``."""
+        index = bisect.bisect_right(self.lengths, generated) - 1
+        return -self.drops[index] if index >= 0 else 1.0
 
 
 class Remaining:
@@ -109,22 +176,34 @@ class Remaining:
     the projection rarely needs more than the first few of each running request.
     """
 
-    __slots__ = ("_cap", "_generated", "_last", "_ordered", "_start")
+    __slots__ = ("_cap", "_distribution", "_fixed", "_generated", "_start", "_survival")
 
     def __init__(
-        self, ordered: Sequence[int], start: int, last: int, cap: float, generated: int
+        self,
+        distribution: _Distribution,
+        generated: int,
+        cap: float,
+        fixed: float | None = None,
     ) -> None:
-        self._ordered = ordered
-        self._start = start
-        self._last = last
-        self._cap = cap  # with no data: the prior's remaining tokens
+        self._distribution = distribution
         self._generated = generated
+        self._cap = cap
+        self._fixed = fixed  # every bound, when nothing is learned
+        self._start = bisect.bisect_right(distribution.lengths, generated)
+        self._survival = distribution.survival(generated)
 
     def bound(self, share: int) -> float:
         """Remaining tokens at the quantile ``share / SEGMENTS`` (at least one)."""
-        if not self._ordered:
-            return self._cap
-        length = self._ordered[self._start + self._last * share // SEGMENTS]
+        if self._fixed is not None:
+            return self._fixed
+        distribution = self._distribution
+        left = self._survival * (1.0 - share / SEGMENTS)
+        index = bisect.bisect_left(distribution.drops, -left - 1e-12, lo=self._start)
+        length = (
+            distribution.lengths[index]
+            if index < len(distribution.lengths)
+            else max(distribution.tail, self._generated * 1.25 + 1)
+        )
         return max(1.0, min(float(length), self._cap) - self._generated)
 
     def bounds(self) -> list[float]:
