@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from narwhal.scheduling.lengths import OutputLengths
 
 
@@ -44,3 +46,35 @@ def test_the_window_forgets_old_lengths() -> None:
     for _ in range(600):
         lengths.learn("chat", None, 300)
     assert lengths.expected_total("chat", None) == 300
+
+
+def test_remaining_bounds_split_the_conditional_distribution_in_equal_shares() -> None:
+    lengths = OutputLengths()
+    for tokens in range(1, 801):
+        lengths.learn("chat", None, tokens)
+    bounds = lengths.remaining("chat", None, generated=400).bounds()
+    assert bounds == sorted(bounds) and len(bounds) == 9
+    assert bounds[0] == 1 and bounds[-1] == 400
+    assert bounds[4] == pytest.approx(200, abs=2)  # half of what is left: 400 more at most
+
+
+def test_running_requests_lengthen_what_completions_alone_suggest() -> None:
+    # Under a sudden load the short requests complete first: 100 of 10 tokens are done,
+    # while 100 others already ran 300 tokens and go on. Completions alone say "10".
+    lengths = OutputLengths()
+    for _ in range(100):
+        lengths.learn("chat", None, 10)
+    alone = lengths.remaining("chat", None, generated=0).bounds()
+    census = lengths.census([("chat", None, 300)] * 100)
+    counted = census.remaining("chat", None, generated=0).bounds()
+    assert alone[-1] == 10
+    assert counted[:4] == [10.0] * 4  # half of the mass ended at 10 tokens
+    assert counted[-1] > 300  # the other half runs past 300
+    assert census.remaining("chat", None, generated=300).bound(0) >= 1
+
+
+def test_max_tokens_caps_the_bounds() -> None:
+    lengths = OutputLengths()
+    for tokens in range(1, 1001):
+        lengths.learn("chat", 600, tokens)
+    assert max(lengths.remaining("chat", 600).bounds()) == 600

@@ -134,3 +134,23 @@ def test_a_prompt_past_the_step_budget_pays_another_step() -> None:
     step = H100.decode_step_ms(100, 100_000)
     chunks = 2 * H100.prefill_chunk_ms(0, 4000) + H100.prefill_chunk_ms(0, 1000)
     assert projection.ttft_s * 1000 == pytest.approx(chunks + 2 * step)
+
+
+def test_the_safety_margin_multiplies_the_projection() -> None:
+    engine = _engine(decode_limit=8)
+    typical = project(
+        [engine], [], _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.005
+    )
+    cautious = project(
+        [engine],
+        [],
+        _waiter(),
+        OutputLengths(),
+        now=0.0,
+        elapsed_s=0.0,
+        overhead_s=0.005,
+        margin=1.5,
+    )
+    assert typical is not None and cautious is not None
+    assert cautious.typical_s == typical.ttft_s == typical.typical_s
+    assert cautious.ttft_s == pytest.approx(1.5 * typical.ttft_s)
