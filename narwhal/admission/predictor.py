@@ -16,7 +16,10 @@ will do with the requests queued before it:
    (:class:`~narwhal.scheduling.forecast.PrefillForecast`);
 3. plus the time already spent in the router and ``frontend_overhead_s``.
 
-The request itself goes to the engine where that gives the earliest first token. Two refusals
+The request itself goes to the engine where that gives the earliest first token. That is the
+typical first token; multiplied by the learned safety factor
+(:class:`~narwhal.admission.margin.SafetyMargin`) it is the projection admission decides on.
+Two refusals
 follow (docs: Errors and refusals): when even the prompt alone, on the fastest idle eligible
 engine, cannot meet the budget, waiting cannot help (429 ``prompt_exceeds_ttft_budget``); when
 the projection is strictly over the budget, the client is told when to come back (429

@@ -165,6 +165,7 @@ class PrefillForecast:
             if self.decoding:  # a decode step is running: the prompt waits for its end
                 step_s = step_ms / 1000 * self.scale
                 since = now - self.step_seen_at
+                # A step that overran its prediction is taken to end now.
                 wait_s = step_s - since if 0 <= since < step_s else 0.0
         shared = ahead.tokens if now <= ahead.last_step_at else 0
         total = shared + tokens
@@ -195,7 +196,7 @@ class PrefillForecast:
         """Record a placement; return its key and predicted first-token time."""
         idle = self.free_at <= now
         start = max(now, self.free_at)
-        self.pipeline, chunk_s, fixed_s = self._cost(tokens, now, None)
+        self.pipeline, compute_s, wait_s = self._cost(tokens, now, None)
         self._rate, self._rate_at = self._token_rate(now) + tokens, now
         self._keys += 1
         key = self._keys
@@ -203,7 +204,7 @@ class PrefillForecast:
         self._prompts[key] = tokens
         self._done[key] = self.free_at - self._shift
         if idle:  # its time will be its own: it can teach the model
-            self._teachers[key] = (chunk_s, fixed_s)
+            self._teachers[key] = (compute_s, wait_s)
         return key, self.free_at + self.latency_s
 
     def first_token(
@@ -231,8 +232,8 @@ class PrefillForecast:
         self.decode_context += tokens
         teacher = self._teachers.pop(key, None)
         if teacher is not None:
-            chunk_s, fixed_s = teacher
-            self._learn(observed=now - placed_at - fixed_s, compute=chunk_s)
+            compute_s, wait_s = teacher  # the wait for the running step is measured, not learned
+            self._learn(observed=now - placed_at - wait_s, compute=compute_s)
 
     def _learn(self, *, observed: float, compute: float) -> None:
         x_latency, x_compute = 1.0, compute / _LATENCY_UNIT_S
