@@ -18,6 +18,7 @@ projection adds them up into the expected number of slots freed by each time
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,7 @@ SEGMENTS = 8
 """:meth:`OutputLengths.remaining` splits each distribution into this many equal shares."""
 
 
+@functools.cache
 def _bucket(route: str, max_tokens: int | None) -> tuple[str, int]:
     if max_tokens is None:
         return route, 0
@@ -124,9 +126,17 @@ class Census:
         for route, max_tokens, generated in running:
             self._running.setdefault(_bucket(route, max_tokens), []).append(generated)
         self._distributions: dict[tuple[str, int], _Distribution] = {}
+        self._answers: dict[tuple[str, int | None, int], Remaining] = {}
 
     def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> Remaining:
         """The tokens still to come for a request that has generated ``generated``."""
+        asked = (route, max_tokens, generated)
+        known = self._answers.get(asked)  # running requests often stand at the same count
+        if known is None:
+            known = self._answers[asked] = self._remaining(route, max_tokens, generated)
+        return known
+
+    def _remaining(self, route: str, max_tokens: int | None, generated: int) -> Remaining:
         key = _bucket(route, max_tokens)
         distribution = self._distributions.get(key)
         if distribution is None:
@@ -189,22 +199,29 @@ class Remaining:
         self._generated = generated
         self._cap = cap
         self._fixed = fixed  # every bound, when nothing is learned
-        self._start = bisect.bisect_right(distribution.lengths, generated)
-        self._survival = distribution.survival(generated)
+        self._start = start = bisect.bisect_right(distribution.lengths, generated)
+        self._survival = -distribution.drops[start - 1] if start else 1.0
 
     def bound(self, share: int) -> float:
         """Remaining tokens at the quantile ``share / SEGMENTS`` (at least one)."""
         if self._fixed is not None:
             return self._fixed
         distribution = self._distribution
-        left = self._survival * (1.0 - share / SEGMENTS)
-        index = bisect.bisect_left(distribution.drops, -left - 1e-12, lo=self._start)
-        length = (
-            distribution.lengths[index]
-            if index < len(distribution.lengths)
-            else max(distribution.tail, self._generated * 1.25 + 1)
-        )
-        return max(1.0, min(float(length), self._cap) - self._generated)
+        if share == 0:  # the shortest length still possible
+            index = self._start
+        else:
+            left = self._survival * (1.0 - share / SEGMENTS)
+            index = bisect.bisect_left(distribution.drops, -left - 1e-12, lo=self._start)
+        if index < len(distribution.lengths):
+            length = float(distribution.lengths[index])
+        else:
+            length = distribution.tail
+            if length < self._generated * 1.25 + 1:
+                length = self._generated * 1.25 + 1
+        if length > self._cap:
+            length = self._cap
+        left_tokens = length - self._generated
+        return left_tokens if left_tokens > 1.0 else 1.0
 
     def bounds(self) -> list[float]:
         """Every bound, ``0`` to ``SEGMENTS``."""
