@@ -324,6 +324,7 @@ async def test_metrics_show_queue_retention_and_occupancy(
     assert 'narwhal_engine_occupancy{engine="sim-a",phase="prefill"} 1.0' in text
     assert "narwhal_queue_wait_seconds_bucket" in text
     assert "narwhal_predicted_ttft_error_ratio_bucket" in text
+    assert "narwhal_admission_safety_factor 2.0" in text  # the prior: nothing learned yet
 
 
 def test_serving_config_keeps_its_defaults() -> None:

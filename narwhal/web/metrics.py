@@ -71,6 +71,12 @@ class _RouterCollector(Collector):
             eligible.add_metric([engine.name], int(engine.eligible))
         yield occupancy
         yield eligible
+        factor = GaugeMetricFamily(
+            "narwhal_admission_safety_factor",
+            "What predictive admission multiplies its typical TTFT projection by",
+        )
+        factor.add_metric([], self._router.margin.factor)
+        yield factor
 
 
 class Metrics:
