@@ -100,11 +100,12 @@ class Router:
                 Engine(
                     engine,
                     EngineClient(engine, config.upstream, transport=transports.get(engine.name)),
-                    prefill_limit=engine.prefill_concurrency or admission.prefill_concurrency,
+                    prefill_limit=prefill,
                     decode_limit=engine.decode_concurrency or admission.decode_concurrency,
-                    forecast=PrefillForecast(get_profile(engine.profile)),
+                    forecast=PrefillForecast(get_profile(engine.profile), prefill_limit=prefill),
                 )
                 for engine in config.engines
+                for prefill in [engine.prefill_concurrency or admission.prefill_concurrency]
             ),
             tpot_target_s=admission.tpot_target_s,
         )

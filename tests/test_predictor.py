@@ -17,12 +17,16 @@ from narwhal.scheduling.profiles import PROFILES
 H100 = PROFILES["h100-llama3-8b"]
 
 
-def _engine(decode_limit: int, *, decoding: int = 0, context: int = 0) -> Engine:
-    forecast = PrefillForecast(H100, decoding=decoding, decode_context=context)
+def _engine(
+    decode_limit: int, *, decoding: int = 0, context: int = 0, prefill_limit: int = 4
+) -> Engine:
+    forecast = PrefillForecast(
+        H100, prefill_limit=prefill_limit, decoding=decoding, decode_context=context
+    )
     engine = Engine(
         EngineConfig(name="a", url="http://127.0.0.1:1"),
         client=cast(Any, None),
-        prefill_limit=4,
+        prefill_limit=prefill_limit,
         decode_limit=decode_limit,
         forecast=forecast,
     )
@@ -113,7 +117,7 @@ def test_requests_that_already_ran_long_are_expected_to_run_longer() -> None:
 def test_prompts_that_fit_one_step_share_it() -> None:
     # Eight 1,000-token prompts fit in one step of 8,192 tokens beside 100 decodes: the eighth
     # waits for the chunks ahead of it and one decode step, not eight.
-    engine = _engine(decode_limit=200, decoding=100, context=100_000)
+    engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=8)
     ahead = [_waiter() for _ in range(7)]
     projection = project(
         [engine], ahead, _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
@@ -154,3 +158,19 @@ def test_the_safety_margin_multiplies_the_projection() -> None:
     assert typical is not None and cautious is not None
     assert cautious.typical_s == typical.ttft_s == typical.typical_s
     assert cautious.ttft_s == pytest.approx(1.5 * typical.ttft_s)
+
+
+def test_a_prompt_waits_for_a_prefill_slot() -> None:
+    # Four prefill slots: four 1,000-token prompts share a step; the fifth is placed when
+    # their first tokens free the slots, and prefills in the step after.
+    engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
+    ahead = [_waiter() for _ in range(4)]
+    projection = project(
+        [engine], ahead, _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
+    )
+    assert projection is not None
+    step = H100.decode_step_ms(100, 100_000)
+    chunk = H100.prefill_chunk_ms(0, 1000)
+    first_four_ms = 4 * chunk + step
+    assert projection.wait_s * 1000 == pytest.approx(first_four_ms)
+    assert projection.ttft_s * 1000 == pytest.approx(first_four_ms + chunk + step)

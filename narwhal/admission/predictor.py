@@ -147,7 +147,17 @@ class _Ends:
 class _EnginePlan:
     """One engine's seats and pipeline as the replay goes."""
 
-    __slots__ = ("_ends", "backlog", "census", "engine", "free", "now", "placed", "tpot_s")
+    __slots__ = (
+        "_ends",
+        "backlog",
+        "census",
+        "engine",
+        "free",
+        "now",
+        "placed",
+        "prefill_free",
+        "tpot_s",
+    )
 
     def __init__(self, engine: Engine, census: Census, now: float) -> None:
         forecast = engine.forecast
@@ -159,6 +169,14 @@ class _EnginePlan:
         self.free = max(0, engine.decode_limit - len(engine.slots))
         self.placed: list[float] = []  # when the replay's own placements end (a heap)
         self._ends: _Ends | None = None  # the running requests' ends, once needed
+        # When each prefill slot frees: a placement needs one too (a heap).
+        self.prefill_free = [
+            max(now, slot.predicted_first_token_at)
+            for slot in engine.slots
+            if slot.phase == "prefill"
+        ]
+        self.prefill_free.extend([now] * max(0, engine.prefill_limit - len(self.prefill_free)))
+        heapq.heapify(self.prefill_free)
 
     @property
     def ends(self) -> _Ends:
@@ -181,19 +199,25 @@ class _EnginePlan:
             return heapq.heappop(self.placed)
         return self.ends.take()
 
+    def placement(self) -> float:
+        """When the next request could be placed here: a seat and a prefill slot are free."""
+        return max(self.now, self.next_seat(), self.prefill_free[0])
+
     def first_token(self, tokens: int) -> float:
-        """When a request taking the next seat here would get its first token."""
-        at = max(self.now, self.next_seat())
+        """When a request placed here next would get its first token."""
+        at = self.placement()
         return self.engine.forecast.predict(tokens, at, self.backlog) if at < math.inf else at
 
     def take(self, waiter: Waiter) -> None:
-        """Seat ``waiter`` here, as the dispatcher would."""
-        at = max(self.now, self._take_seat())
+        """Place ``waiter`` here, as the dispatcher would."""
+        at = max(self.now, self._take_seat(), heapq.heappop(self.prefill_free))
         if at == math.inf:
+            heapq.heappush(self.prefill_free, at)
             return
         forecast = self.engine.forecast
         self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog)
         first = self.backlog.free_at + forecast.latency_s
+        heapq.heappush(self.prefill_free, first)  # its prefill slot frees at its first token
         bounds = self.census.remaining(waiter.route, waiter.max_tokens).bounds()
         heapq.heappush(self.placed, first + sum(bounds) / len(bounds) * self.tpot_s)
 
@@ -236,7 +260,7 @@ def project(
     if plan is None:
         return None
     first_token_at = plan.first_token(request.prompt_tokens)
-    start = max(now, plan.next_seat(), plan.backlog.free_at)
+    start = max(plan.placement(), plan.backlog.free_at)
     alone = min(
         p.engine.forecast.standalone_s(request.prompt_tokens)
         for p in plans

@@ -49,11 +49,14 @@ class Backlog:
             behind it may still share.
         last_step_at: when its last step starts: a prompt placed before then (or in the same
             instant) may share that step, one placed later starts a step of its own.
+        prompts: prompts in its last step. The engine holds at most ``prefill_limit`` prompts
+            in prefill: when they share one step, the next prompt waits for the step after.
     """
 
     free_at: float = 0.0
     tokens: int = 0
     last_step_at: float = 0.0
+    prompts: int = 0
 
 
 @attrs.define
@@ -62,6 +65,7 @@ class PrefillForecast:
 
     Attributes:
         profile: the engine's step costs.
+        prefill_limit: the most prompts placed in prefill at once (``prefill_concurrency``).
         scale: observed over profiled compute, learned (1.0: the profile is right).
         latency_s: time to first token that does not queue, learned.
         pipeline: the placed prefill work not done yet.
@@ -72,6 +76,7 @@ class PrefillForecast:
     """
 
     profile: EngineProfile
+    prefill_limit: int = 1 << 30
     scale: float = 1.0
     latency_s: float = 0.0
     decode_scale: float = 1.0
@@ -167,7 +172,8 @@ class PrefillForecast:
                 since = now - self.step_seen_at
                 # A step that overran its prediction is taken to end now.
                 wait_s = step_s - since if 0 <= since < step_s else 0.0
-        shared = ahead.tokens if now <= ahead.last_step_at else 0
+        joins = now <= ahead.last_step_at and ahead.prompts < self.prefill_limit
+        shared = ahead.tokens if joins else 0
         total = shared + tokens
         steps = -(-total // budget) - -(-shared // budget)
         compute_ms = self.profile.prefill_chunk_ms(0, tokens) + steps * step_ms
@@ -177,12 +183,12 @@ class PrefillForecast:
         compute_s = compute_ms / 1000
         free_at = ahead.free_at + wait_s + compute_s * self.scale
         if steps == 0:
-            last_step_at = ahead.last_step_at
-        else:
-            own_in_last = min(tokens, total - budget * ((total - 1) // budget))
-            last_ms = step_ms + self.profile.prefill_chunk_ms(0, own_in_last)
-            last_step_at = free_at - last_ms / 1000 * self.scale
-        return Backlog(free_at, total, last_step_at), compute_s, wait_s
+            return Backlog(free_at, total, ahead.last_step_at, ahead.prompts + 1), compute_s, wait_s
+        own_in_last = min(tokens, total - budget * ((total - 1) // budget))
+        last_ms = step_ms + self.profile.prefill_chunk_ms(0, own_in_last)
+        last_step_at = free_at - last_ms / 1000 * self.scale
+        # The steps it adds hold its own tokens only: what was ahead ends in the steps before.
+        return Backlog(free_at, total, last_step_at, 1), compute_s, wait_s
 
     def _token_rate(self, now: float) -> float:
         """Prompt tokens placed here per second, recently (a one-second moving average)."""
@@ -196,6 +202,10 @@ class PrefillForecast:
         """Record a placement; return its key and predicted first-token time."""
         idle = self.free_at <= now
         start = max(now, self.free_at)
+        if not idle and now <= self.pipeline.last_step_at:
+            # It shares the last step of the work ahead: whoever is in that step no longer has
+            # its time to itself, and cannot teach.
+            self._teachers.clear()
         self.pipeline, compute_s, wait_s = self._cost(tokens, now, None)
         self._rate, self._rate_at = self._token_rate(now) + tokens, now
         self._keys += 1
@@ -225,8 +235,10 @@ class PrefillForecast:
             late = now - self.latency_s - (done + self._shift)
             self._shift += late
             pipeline = self.pipeline
-            self.pipeline = Backlog(
-                max(now, pipeline.free_at + late), pipeline.tokens, pipeline.last_step_at + late
+            self.pipeline = attrs.evolve(
+                pipeline,
+                free_at=max(now, pipeline.free_at + late),
+                last_step_at=pipeline.last_step_at + late,
             )
         self.decoding += 1
         self.decode_context += tokens
@@ -265,10 +277,11 @@ class PrefillForecast:
             return
         self._shift -= cost
         pipeline = self.pipeline
-        self.pipeline = Backlog(
-            max(now, pipeline.free_at - cost),
-            max(0, pipeline.tokens - tokens),
-            pipeline.last_step_at - cost,
+        self.pipeline = attrs.evolve(
+            pipeline,
+            free_at=max(now, pipeline.free_at - cost),
+            tokens=max(0, pipeline.tokens - tokens),
+            last_step_at=pipeline.last_step_at - cost,
         )
 
     def generated(self, tokens: int) -> None:
