@@ -103,3 +103,22 @@ def test_tpot_counts_every_sequence_that_will_decode() -> None:
     forecast = PrefillForecast(H100, decoding=10, decode_context=10_000)
     forecast.place(1000, now=0.0)
     assert forecast.tpot_with(1000) == pytest.approx(H100.decode_step_ms(12, 12_000) / 1000)
+
+
+def test_a_prompt_joined_in_its_step_does_not_teach() -> None:
+    forecast = PrefillForecast(H100)
+    key, predicted = forecast.place(1024, now=0.0)  # alone on an idle pipeline: a teacher
+    forecast.place(4096, now=0.0)  # ...until this one shares its step and slows it down
+    forecast.first_token(key, placed_at=0.0, predicted=predicted, now=predicted * 3, tokens=0)
+    assert forecast.scale == 1.0 and forecast.latency_s == 0.0
+
+
+def test_a_step_holds_at_most_prefill_limit_prompts() -> None:
+    shared = PrefillForecast(H100, prefill_limit=8)
+    limited = PrefillForecast(H100, prefill_limit=2)
+    for forecast in (shared, limited):
+        for _ in range(2):
+            forecast.place(500, now=0.0)
+    _, joined = shared.place(500, now=0.0)
+    _, next_step = limited.place(500, now=0.0)
+    assert next_step == pytest.approx(joined + H100.prefill_base_ms / 1000)

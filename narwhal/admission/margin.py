@@ -35,7 +35,7 @@ class SafetyMargin:
         prior: the factor before anything is learned.
         floor_share: projections under this share of the budget do not teach.
         least: the factor never goes below this: the error of the recent past is not a
-            promise, and a burst makes every projection of its moment wrong together.
+            promise.
     """
 
     quantile: float = 0.99
@@ -43,7 +43,7 @@ class SafetyMargin:
     min_samples: int = 32
     prior: float = 2.0
     floor_share: float = 0.25
-    least: float = 1.4
+    least: float = 1.1
     _recent: deque[float] = attrs.field(init=False, factory=deque)
     _ordered: list[float] = attrs.field(init=False, factory=list)
 
