@@ -98,13 +98,17 @@ class OutputLengths:
         return self.census(()).remaining(route, max_tokens, generated)
 
     def census(self, running: Iterable[tuple[str, int | None, int]]) -> Census:
-        """The distributions as the requests running now, ``(route, max_tokens, generated)``,
-        complete them (see :class:`Census`)."""
+        """The distributions, completed by the requests running now (see :class:`Census`).
+
+        Args:
+            running: ``(route, max_tokens, generated)`` of each running request.
+        """
         return Census(self, running)
 
-    def _distribution(self, key: tuple[str, int], running: list[int]) -> _Distribution:
+    def completed(self, key: tuple[str, int]) -> Sequence[int]:
+        """The bucket's recent completed lengths, ascending."""
         lengths = self._by_bucket.get(key)
-        return _Distribution(lengths.ordered if lengths is not None else [], running)
+        return lengths.ordered if lengths is not None else ()
 
 
 class Census:
@@ -140,7 +144,7 @@ class Census:
         key = _bucket(route, max_tokens)
         distribution = self._distributions.get(key)
         if distribution is None:
-            distribution = self._lengths._distribution(key, self._running.get(key, []))
+            distribution = _Distribution(self._lengths.completed(key), self._running.get(key, []))
             self._distributions[key] = distribution
         cap = math.inf if max_tokens is None else float(max_tokens)
         if not distribution.lengths:
