@@ -6,7 +6,7 @@ from typing import Any, cast
 
 import pytest
 
-from narwhal.admission.predictor import project
+from narwhal.admission.predictor import Projection, project
 from narwhal.admission.queue import Waiter
 from narwhal.config import EngineConfig
 from narwhal.scheduling.engines import Engine, Slot
@@ -51,12 +51,23 @@ def _uniform_lengths(top: int = 400) -> OutputLengths:
     return lengths
 
 
-def test_a_free_seat_means_no_wait_for_one() -> None:
-    engine = _engine(decode_limit=8)
+def _project(
+    engine: Engine,
+    ahead: list[Waiter] | None = None,
+    request: Waiter | None = None,
+    lengths: OutputLengths | None = None,
+    **options: float,
+) -> Projection:
+    settings = {"now": 0.0, "elapsed_s": 0.0, "overhead_s": 0.0, **options}
     projection = project(
-        [engine], [], _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.005
+        [engine], ahead or [], request or _waiter(), lengths or OutputLengths(), **settings
     )
     assert projection is not None
+    return projection
+
+
+def test_a_free_seat_means_no_wait_for_one() -> None:
+    projection = _project(_engine(decode_limit=8), overhead_s=0.005)
     assert projection.wait_s == 0.0
     assert projection.ttft_s == pytest.approx(H100.prefill_ms(1000) / 1000 + 0.005)
 
@@ -66,29 +77,16 @@ def test_with_many_running_the_first_seat_frees_long_before_a_typical_end() -> N
     # few tokens, not after the median's 200.
     engine = _engine(decode_limit=100, decoding=100, context=100_000)
     _running(engine, 100)
-    projection = project(
-        [engine], [], _waiter(), _uniform_lengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
-    )
-    assert projection is not None
-    tpot = engine.forecast.tpot_s()
-    assert 0 < projection.wait_s <= 10 * tpot
+    projection = _project(engine, lengths=_uniform_lengths())
+    assert 0 < projection.wait_s <= 10 * engine.forecast.tpot_s()
 
 
 def test_each_request_ahead_takes_the_next_seat() -> None:
     engine = _engine(decode_limit=100, decoding=100, context=100_000)
     _running(engine, 100)
     lengths = _uniform_lengths()
-    alone = project([engine], [], _waiter(), lengths, now=0.0, elapsed_s=0.0, overhead_s=0.0)
-    behind = project(
-        [engine],
-        [_waiter() for _ in range(50)],
-        _waiter(),
-        lengths,
-        now=0.0,
-        elapsed_s=0.0,
-        overhead_s=0.0,
-    )
-    assert alone is not None and behind is not None
+    alone = _project(engine, lengths=lengths)
+    behind = _project(engine, [_waiter() for _ in range(50)], lengths=lengths)
     tpot = engine.forecast.tpot_s()
     # The 51st end of 100 uniform lengths over 1..400: about a 51/101 share of 400 tokens.
     assert behind.wait_s == pytest.approx(51 / 101 * 400 * tpot, rel=0.1)
@@ -96,81 +94,48 @@ def test_each_request_ahead_takes_the_next_seat() -> None:
 
 
 def test_requests_that_already_ran_long_are_expected_to_run_longer() -> None:
-    fresh, old = (
-        _engine(decode_limit=10, decoding=10, context=10_000),
-        _engine(decode_limit=10, decoding=10, context=10_000),
-    )
+    fresh = _engine(decode_limit=10, decoding=10, context=10_000)
+    old = _engine(decode_limit=10, decoding=10, context=10_000)
     _running(fresh, 10, generated=0)
     _running(old, 10, generated=390)
     lengths = _uniform_lengths()
-    for engine in (fresh, old):
-        projection = project(
-            [engine], [], _waiter(), lengths, now=0.0, elapsed_s=0.0, overhead_s=0.0
-        )
-        assert projection is not None
-    a = project([fresh], [], _waiter(), lengths, now=0.0, elapsed_s=0.0, overhead_s=0.0)
-    b = project([old], [], _waiter(), lengths, now=0.0, elapsed_s=0.0, overhead_s=0.0)
-    assert a is not None and b is not None
-    assert b.wait_s < a.wait_s  # at most 10 tokens left of 400
+    # At most 10 tokens are left of 400 for the old ones.
+    assert _project(old, lengths=lengths).wait_s < _project(fresh, lengths=lengths).wait_s
 
 
 def test_prompts_that_fit_one_step_share_it() -> None:
     # Eight 1,000-token prompts fit in one step of 8,192 tokens beside 100 decodes: the eighth
     # waits for the chunks ahead of it and one decode step, not eight.
     engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=8)
-    ahead = [_waiter() for _ in range(7)]
-    projection = project(
-        [engine], ahead, _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
-    )
-    assert projection is not None
+    projection = _project(engine, [_waiter() for _ in range(7)])
     step = H100.decode_step_ms(100, 100_000)
-    expected_ms = 8 * H100.prefill_chunk_ms(0, 1000) + step
-    assert projection.ttft_s * 1000 == pytest.approx(expected_ms)
+    assert projection.ttft_s * 1000 == pytest.approx(8 * H100.prefill_chunk_ms(0, 1000) + step)
 
 
 def test_a_prompt_past_the_step_budget_pays_another_step() -> None:
     engine = _engine(decode_limit=200, decoding=100, context=100_000)
     ahead = [_waiter(4000), _waiter(4000)]  # 8,000 tokens: the budget is 8,092
-    projection = project(
-        [engine], ahead, _waiter(1000), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
-    )
-    assert projection is not None
+    projection = _project(engine, ahead, _waiter(1000))
     step = H100.decode_step_ms(100, 100_000)
     chunks = 2 * H100.prefill_chunk_ms(0, 4000) + H100.prefill_chunk_ms(0, 1000)
     assert projection.ttft_s * 1000 == pytest.approx(chunks + 2 * step)
-
-
-def test_the_safety_margin_multiplies_the_projection() -> None:
-    engine = _engine(decode_limit=8)
-    typical = project(
-        [engine], [], _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.005
-    )
-    cautious = project(
-        [engine],
-        [],
-        _waiter(),
-        OutputLengths(),
-        now=0.0,
-        elapsed_s=0.0,
-        overhead_s=0.005,
-        margin=1.5,
-    )
-    assert typical is not None and cautious is not None
-    assert cautious.typical_s == typical.ttft_s == typical.typical_s
-    assert cautious.ttft_s == pytest.approx(1.5 * typical.ttft_s)
 
 
 def test_a_prompt_waits_for_a_prefill_slot() -> None:
     # Four prefill slots: four 1,000-token prompts share a step; the fifth is placed when
     # their first tokens free the slots, and prefills in the step after.
     engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
-    ahead = [_waiter() for _ in range(4)]
-    projection = project(
-        [engine], ahead, _waiter(), OutputLengths(), now=0.0, elapsed_s=0.0, overhead_s=0.0
-    )
-    assert projection is not None
+    projection = _project(engine, [_waiter() for _ in range(4)])
     step = H100.decode_step_ms(100, 100_000)
     chunk = H100.prefill_chunk_ms(0, 1000)
     first_four_ms = 4 * chunk + step
     assert projection.wait_s * 1000 == pytest.approx(first_four_ms)
     assert projection.ttft_s * 1000 == pytest.approx(first_four_ms + chunk + step)
+
+
+def test_the_safety_margin_multiplies_the_projection() -> None:
+    engine = _engine(decode_limit=8)
+    typical = _project(engine, overhead_s=0.005)
+    cautious = _project(engine, overhead_s=0.005, margin=1.5)
+    assert cautious.typical_s == typical.ttft_s == typical.typical_s
+    assert cautious.ttft_s == pytest.approx(1.5 * typical.ttft_s)
