@@ -30,7 +30,7 @@ import attrs
 
 from narwhal.scheduling.profiles import EngineProfile
 
-__all__ = ["Backlog", "PrefillForecast"]
+__all__ = ["Backlog", "Prefill", "PrefillForecast"]
 
 _LEARNING_RATE = 0.2
 _DECODE_RATE = 0.02
@@ -60,6 +60,24 @@ class Backlog:
 
 
 @attrs.define
+class Prefill:
+    """One placed request waiting for its first token.
+
+    Attributes:
+        tokens: its prompt.
+        compute_s: the compute it added to the pipeline (seconds, scaled).
+        done: when that compute is predicted done, less the pipeline's shift at placement.
+        teaches: ``(profiled compute, wait for the running step)`` while it may teach the
+            model (placed on an idle pipeline, and no later prompt shared its step).
+    """
+
+    tokens: int
+    compute_s: float
+    done: float
+    teaches: tuple[float, float] | None = None
+
+
+@attrs.define
 class PrefillForecast:
     """One engine's prefill pipeline as the router predicts it.
 
@@ -69,8 +87,8 @@ class PrefillForecast:
         scale: observed over profiled compute, learned (1.0: the profile is right).
         latency_s: time to first token that does not queue, learned.
         pipeline: the placed prefill work not done yet.
-        pending: predicted compute (seconds) of each placed request still waiting for its first
-            token, by placement key, in placement order.
+        pending: each placed request still waiting for its first token, by placement key, in
+            placement order.
         decoding: requests past their first token.
         decode_context: context tokens (prompt and output so far) of the decoding requests.
     """
@@ -82,16 +100,13 @@ class PrefillForecast:
     decode_scale: float = 1.0
     pipeline: Backlog = attrs.field(factory=Backlog)
     step_seen_at: float = -math.inf
-    pending: dict[int, float] = attrs.field(factory=dict)
+    pending: dict[int, Prefill] = attrs.field(factory=dict)
     decoding: int = 0
     decode_context: int = 0
     _keys: int = 0
-    _teachers: dict[int, tuple[float, float]] = attrs.field(factory=dict)
-    _done: dict[int, float] = attrs.field(factory=dict)  # predicted compute end, less _shift
     _rate: float = 0.0  # see _token_rate
     _rate_at: float = 0.0
     _shift: float = 0.0  # how late the pipeline runs on what was predicted at placement
-    _prompts: dict[int, int] = attrs.field(factory=dict)
 
     @property
     def in_prefill(self) -> int:
@@ -117,14 +132,14 @@ class PrefillForecast:
         Every sequence placed here will decode: those in prefill count already.
         """
         batch = self.decoding + self.in_prefill + 1
-        context = self.decode_context + sum(self._prompts.values()) + tokens
+        context = self.decode_context + sum(p.tokens for p in self.pending.values()) + tokens
         # The profile's decode step: ``scale`` is learned from prefills, not from decoding.
         return self.profile.decode_step_ms(batch, context) / 1000
 
     def tpot_s(self) -> float:
         """Predicted time per output token of the decoding batch as it is now."""
         batch = max(1, self.decoding)
-        context = self.decode_context + sum(self._prompts.values())
+        context = self.decode_context + sum(p.tokens for p in self.pending.values())
         return self.profile.decode_step_ms(batch, context) / 1000 * self.decode_scale
 
     def observe_gap(self, gap_s: float, tokens: int) -> None:
@@ -205,16 +220,19 @@ class PrefillForecast:
         if not idle and now <= self.pipeline.last_step_at:
             # It shares the last step of the work ahead: whoever is in that step no longer has
             # its time to itself, and cannot teach.
-            self._teachers.clear()
+            for placed in self.pending.values():
+                placed.teaches = None
         self.pipeline, compute_s, wait_s = self._cost(tokens, now, None)
         self._rate, self._rate_at = self._token_rate(now) + tokens, now
         self._keys += 1
         key = self._keys
-        self.pending[key] = self.free_at - start
-        self._prompts[key] = tokens
-        self._done[key] = self.free_at - self._shift
-        if idle:  # its time will be its own: it can teach the model
-            self._teachers[key] = (compute_s, wait_s)
+        # Placed on an idle pipeline, its time will be its own: it can teach the model.
+        self.pending[key] = Prefill(
+            tokens,
+            self.free_at - start,
+            self.free_at - self._shift,
+            (compute_s, wait_s) if idle else None,
+        )
         return key, self.free_at + self.latency_s
 
     def first_token(
@@ -226,13 +244,11 @@ class PrefillForecast:
         done, so is everything placed before it, and what was placed after it is as late (or
         as early) as it was. The rest of the pipeline moves by that much.
         """
-        self.pending.pop(key, None)
-        self._prompts.pop(key, None)
-        done = self._done.pop(key, None)
+        placed = self.pending.pop(key, None)
         if not self.pending:
             self.pipeline, self._shift = Backlog(now, 0, now), 0.0
-        elif done is not None:
-            late = now - self.latency_s - (done + self._shift)
+        elif placed is not None:
+            late = now - self.latency_s - (placed.done + self._shift)
             self._shift += late
             pipeline = self.pipeline
             self.pipeline = attrs.evolve(
@@ -242,9 +258,8 @@ class PrefillForecast:
             )
         self.decoding += 1
         self.decode_context += tokens
-        teacher = self._teachers.pop(key, None)
-        if teacher is not None:
-            compute_s, wait_s = teacher  # the wait for the running step is measured, not learned
+        if placed is not None and placed.teaches is not None:
+            compute_s, wait_s = placed.teaches  # the wait for the running step is measured
             self._learn(observed=now - placed_at - wait_s, compute=compute_s)
 
     def _learn(self, *, observed: float, compute: float) -> None:
@@ -266,12 +281,10 @@ class PrefillForecast:
 
     def abandon_prefill(self, key: int, now: float) -> None:
         """A placed request left before its first token."""
-        cost = self.pending.pop(key, None)
-        if cost is None:
+        placed = self.pending.pop(key, None)
+        if placed is None:
             return
-        self._teachers.pop(key, None)
-        self._done.pop(key, None)
-        tokens = self._prompts.pop(key, 0)
+        cost = placed.compute_s
         if not self.pending:
             self.pipeline, self._shift = Backlog(now, 0, now), 0.0
             return
@@ -280,7 +293,7 @@ class PrefillForecast:
         self.pipeline = attrs.evolve(
             pipeline,
             free_at=max(now, pipeline.free_at - cost),
-            tokens=max(0, pipeline.tokens - tokens),
+            tokens=max(0, pipeline.tokens - placed.tokens),
             last_step_at=pipeline.last_step_at - cost,
         )
 
