@@ -247,6 +247,8 @@ class Slot:
             now=now,
             tokens=self.prompt_tokens,
         )
+        # A prefill slot is free now: a queued request may be placeable.
+        engine.pool_changed()
 
     def generated(self, tokens: int) -> None:
         """Output tokens arrived: the request's context grew."""
