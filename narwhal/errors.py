@@ -13,6 +13,7 @@ Errors and refusals). The web layer translates them to responses in exactly one 
     │   ├── UnsupportedOption          400 unsupported_option
     │   ├── ModelNotFound              404 model_not_found
     │   ├── RequestTooLarge            413 request_too_large
+    │   ├── RequestTimeout             408 request_body_timeout (the client sent too slowly)
     │   └── EngineRejectedRequest      4xx (the engine's status and code)
     ├── RouteNotFound                  404 not_found                  (not offered)
     ├── MethodNotAllowed               405 method_not_allowed         (not offered)
@@ -48,6 +49,7 @@ __all__ = [
     "ModelNotFound",
     "NarwhalError",
     "PredictiveRefusal",
+    "RequestTimeout",
     "RequestTooLarge",
     "RouteNotFound",
     "Unavailable",
@@ -144,6 +146,16 @@ class RequestTooLarge(InvalidRequest):
 
     status = 413
     default_code = "request_too_large"
+
+
+class RequestTimeout(InvalidRequest):
+    """The client did not send its request in time (``serving.body_timeout_s``)."""
+
+    status = 408
+    default_code = "request_body_timeout"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"connection": "close"})
 
 
 class EngineRejectedRequest(InvalidRequest):

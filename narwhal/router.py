@@ -6,7 +6,8 @@ embedders can build one from a :class:`~narwhal.config.Config` and a set of tran
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal
 
@@ -28,9 +29,24 @@ from narwhal.scheduling.profiles import get_profile
 from narwhal.upstream.client import EngineClient
 from narwhal.web.metrics import Metrics
 
-__all__ = ["Router", "RouterState", "RouterStatistics"]
+__all__ = ["LiveRequest", "Router", "RouterState", "RouterStatistics"]
 
-RouterState = Literal["active", "standby", "fenced", "maintenance", "monitoring_degraded"]
+RouterState = Literal[
+    "active", "standby", "fenced", "maintenance", "monitoring_degraded", "draining"
+]
+
+
+@attrs.define(eq=False)
+class LiveRequest:
+    """A request the router holds, from arrival to its last byte.
+
+    ``scope`` wraps the whole request; :meth:`Router.cut_streams` cancels it (with ``cut`` set)
+    to end the request at a shutdown's drain deadline.
+    """
+
+    request_id: str
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    cut: bool = False
 
 
 @attrs.frozen
@@ -124,6 +140,9 @@ class Router:
         self.state: RouterState = "active"
         self.state_reason: str | None = None
         self.metrics = Metrics(self)
+        self._live: set[LiveRequest] = set()
+        self._idle = trio.Event()
+        self._idle.set()
 
     def check_state(self) -> None:
         """Refuse work unless the router is active.
@@ -132,12 +151,58 @@ class Router:
             Unavailable: 503 with ``router_<state>`` while standby, fenced, in maintenance or
                 monitoring-degraded.
         """
+        if self.state == "draining":
+            raise Unavailable(
+                "This router is shutting down and admits no requests; retry on another.",
+                code="router_draining",
+            )
         if self.state != "active":
             raise Unavailable(
                 f"This router is {self.state.replace('_', '-')} and admits no requests; "
                 "retry shortly.",
                 code=f"router_{self.state}",
             )
+
+    # -- requests in flight, and shutdown --------------------------------------------------------
+
+    @contextmanager
+    def hold(self, request_id: str) -> Iterator[LiveRequest]:
+        """Hold one request while the block runs (every completion request is held)."""
+        live = LiveRequest(request_id)
+        self._live.add(live)
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        try:
+            yield live
+        finally:
+            self._live.discard(live)
+            if not self._live:
+                self._idle.set()
+
+    def in_flight(self) -> int:
+        """Requests held now (streams running included)."""
+        return len(self._live)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is held."""
+        await self._idle.wait()
+
+    def begin_drain(self) -> None:
+        """Stop admitting for a shutdown: ``/ready`` turns 503, new requests get 503.
+
+        Requests already admitted go on until :meth:`cut_streams`.
+        """
+        self.state = "draining"
+        self.state_reason = "router_draining"
+
+    def cut_streams(self) -> None:
+        """End every held request now: in-band error on streams, 503 before headers.
+
+        Counted ``unavailable`` with reason ``shutdown``.
+        """
+        for live in self._live:
+            live.cut = True
+            live.scope.cancel()
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the dispatcher and the engines' joins in ``nursery``."""

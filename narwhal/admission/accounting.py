@@ -1,18 +1,27 @@
 """Request accounting: every offered request ends in exactly one terminal class.
 
-The conservation law ``offered = sum(terminal classes) + in_flight`` holds at every instant by
-construction: ``in_flight`` is derived, and a :class:`Ticket` can be finished only once.
+The conservation law ``offered = sum(terminal classes) + in_flight`` must hold at every instant.
+So that a check of it can fail, its two sides are counted apart: the counters count arrivals
+and endings, and ``in_flight`` is the number of tickets still open (a set, not a difference). A
+:class:`Ticket` is finished exactly once: a second finish raises, and a ticket left unfinished
+when its request ends (:meth:`Ticket.__exit__`) is counted ``cancelled`` or
+``failed/internal_error``, so no path can lose a request.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Mapping
+from types import TracebackType
 from typing import Literal
 
 import attrs
+import trio
 
 __all__ = ["TERMINAL_CLASSES", "Accounting", "AccountingStatistics", "TerminalClass", "Ticket"]
+
+log = logging.getLogger(__name__)
 
 TerminalClass = Literal[
     "completed",
@@ -45,7 +54,7 @@ class AccountingStatistics:
         unsized_offered: offered requests that ended before their workload was sized.
         terminal: total per terminal class (every class present).
         by_reason: per ``(class, reason)``; reason is the error code, or ``""``.
-        in_flight: offered and not yet ended.
+        in_flight: tickets still open, counted apart from ``offered`` and the terminals.
     """
 
     offered: int
@@ -65,7 +74,12 @@ class AccountingStatistics:
 
 
 class Ticket:
-    """One offered request's place in the books; finish it exactly once."""
+    """One offered request's place in the books; finish it exactly once.
+
+    Use it as a context manager around the whole request: leaving the block with the ticket
+    unfinished counts the request ``cancelled`` when it left by cancellation (the client went
+    away), else ``failed`` with reason ``internal_error`` (a bug: it is logged).
+    """
 
     __slots__ = ("_books", "finished", "sized")
 
@@ -79,7 +93,30 @@ class Ticket:
         if self.finished is not None:
             raise RuntimeError(f"request already counted as {self.finished}, not {terminal}")
         self.finished = terminal
-        self._books._record(terminal, reason or "", sized=self.sized)
+        self._books._record(self, terminal, reason or "")
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self.finished is not None:
+            return
+        if value is not None and _is_cancellation(value):
+            self.finish("cancelled")
+        else:
+            log.error("request ended without an outcome", exc_info=value)
+            self.finish("failed", "internal_error")
+
+
+def _is_cancellation(error: BaseException) -> bool:
+    if isinstance(error, BaseExceptionGroup):
+        return all(_is_cancellation(inner) for inner in error.exceptions)
+    return isinstance(error, trio.Cancelled | KeyboardInterrupt)
 
 
 class Accounting:
@@ -90,24 +127,26 @@ class Accounting:
         self._unsized = 0
         self._terminal: Counter[str] = Counter()
         self._by_reason: Counter[tuple[str, str]] = Counter()
-        self._ended = 0
+        self._open: set[Ticket] = set()
 
     def offer(self) -> Ticket:
         """Count one arrival and return its ticket."""
         self._offered += 1
-        return Ticket(self)
+        ticket = Ticket(self)
+        self._open.add(ticket)
+        return ticket
 
-    def _record(self, terminal: TerminalClass, reason: str, *, sized: bool) -> None:
+    def _record(self, ticket: Ticket, terminal: TerminalClass, reason: str) -> None:
+        self._open.remove(ticket)
         self._terminal[terminal] += 1
         self._by_reason[terminal, reason] += 1
-        self._ended += 1
-        if not sized:
+        if not ticket.sized:
             self._unsized += 1
 
     @property
     def in_flight(self) -> int:
-        """Offered and not yet ended."""
-        return self._offered - self._ended
+        """Tickets still open (counted apart from the counters, so the law can fail)."""
+        return len(self._open)
 
     def statistics(self) -> AccountingStatistics:
         """A frozen snapshot."""
@@ -118,3 +157,16 @@ class Accounting:
             by_reason=dict(self._by_reason),
             in_flight=self.in_flight,
         )
+
+    def check(self) -> None:
+        """Assert the conservation law (tests and the chaos suite call it).
+
+        Raises:
+            AssertionError: ``offered != sum(terminal classes) + in_flight``.
+        """
+        ended = sum(self._terminal.values())
+        if self._offered != ended + len(self._open):
+            raise AssertionError(
+                f"conservation law broken: offered {self._offered} != ended {ended} + "
+                f"in flight {len(self._open)}"
+            )

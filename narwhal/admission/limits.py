@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import attrs
 
 from narwhal.errors import CapacityRejection
@@ -43,6 +46,19 @@ class RetentionLimit:
     def release(self) -> None:
         """Give a slot back."""
         self.in_use -= 1
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Take a slot now and give it back when the block ends, however it ends.
+
+        Raises:
+            CapacityRejection: none is free (429 ``http_retention_full``).
+        """
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
 
     def statistics(self) -> RetentionStatistics:
         """A frozen snapshot."""

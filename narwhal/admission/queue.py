@@ -16,6 +16,9 @@ out) stops counting at once, even while its entry still sits in the channel.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import attrs
 import trio
 
@@ -99,6 +102,27 @@ class AdmissionQueue:
         self._enqueued += 1
         self._placed += 1
         return _take(engine, waiter)
+
+    @asynccontextmanager
+    async def placement(self, waiter: Waiter, wait_s: float) -> AsyncIterator[Slot]:
+        """The request's slot while the block runs, given back at exit however it ends.
+
+        Places at once when nobody waits and an engine has room, else queues and waits at most
+        ``wait_s`` for the dispatcher.
+
+        Raises:
+            CapacityRejection: the queue is full.
+            Expired: ``admission_wait_expired``.
+            Unavailable: no engine is eligible.
+        """
+        slot = self.place_now(waiter)
+        if slot is None:
+            self.enqueue(waiter)
+            slot = await self.wait_for_placement(waiter, wait_s)
+        try:
+            yield slot
+        finally:
+            slot.release()
 
     def enqueue(self, waiter: Waiter) -> None:
         """Join the queue without waiting.

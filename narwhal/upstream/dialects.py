@@ -8,8 +8,11 @@ them one token per event (``return_token_ids``, ``stream_interval: 1``). The ret
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
+from narwhal.errors import InvalidRequest
 from narwhal.protocol.chunks import Exposure
 from narwhal.protocol.requests import CompletionRequest
 
@@ -22,6 +25,9 @@ def upstream_body(request: CompletionRequest, *, token_ids: bool) -> tuple[bytes
     Args:
         request: the validated client request (its body is not modified).
         token_ids: ask the engine for token IDs.
+
+    Raises:
+        InvalidRequest: the body cannot be serialised again (nested too deeply).
     """
     body = dict(request.body)
     body["stream"] = True
@@ -39,4 +45,23 @@ def upstream_body(request: CompletionRequest, *, token_ids: bool) -> tuple[bytes
         hide_token_ids=token_ids and not request.wants_token_ids,
         drop_usage_chunk=not (request.stream and request.include_usage),
     )
-    return orjson.dumps(body), exposure
+    try:
+        encoded = orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise _too_deep(body) from None
+    return encoded, exposure
+
+
+def _too_deep(body: dict[str, Any]) -> InvalidRequest:
+    # orjson serialises at most 254 levels of nesting; name the field that holds more.
+    param = None
+    for key, value in body.items():
+        try:
+            orjson.dumps(value)
+        except orjson.JSONEncodeError:
+            param = key
+            break
+    return InvalidRequest(
+        "The request body nests JSON too deeply to be forwarded (at most 254 levels).",
+        param=param,
+    )

@@ -11,7 +11,8 @@ The module holds no deadlines: the caller opens the request's cancel scopes arou
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
 import attrs
 import trio
@@ -28,9 +29,12 @@ from narwhal.scheduling.engines import Engine, EnginePool, Slot
 from narwhal.upstream.client import ChunkEvent, ErrorFrameEvent, UpstreamStream
 from narwhal.upstream.dialects import upstream_body
 
-__all__ = ["Exchange", "Measurements", "open_exchange"]
+__all__ = ["AFTER_COMPLETE_S", "Exchange", "Measurements", "open_exchange"]
 
 log = logging.getLogger(__name__)
+
+AFTER_COMPLETE_S = 2.0
+"""How long the end of a complete answer (``[DONE]``) is waited for before it is ended anyway."""
 
 
 @attrs.define
@@ -49,6 +53,7 @@ class Measurements:
     predicted_ttft: float | None = None
     prompt_tokens_reported: int | None = None
     completion_tokens_reported: int | None = None
+    usage_seen: bool = False
     gaps: list[float] = attrs.field(factory=list)
 
     @property
@@ -91,6 +96,7 @@ class Exchange:
         self.measurements.output_tokens += facts.token_ids
         self.slot.generated(facts.token_ids or int(facts.output))
         if facts.usage:
+            self.measurements.usage_seen = True
             usage = event.chunk["usage"]
             if isinstance(usage, dict):
                 prompt = usage.get("prompt_tokens")
@@ -105,10 +111,16 @@ class Exchange:
     async def next_chunk(self) -> ChunkEvent | None:
         """The next chunk, observed; ``None`` at the end of a complete stream.
 
+        Once the answer is complete (a choice finished and the usage chunk arrived), the rest
+        of the stream (``[DONE]``) is waited for only :data:`AFTER_COMPLETE_S`: an engine that
+        then idles, breaks or sends garbage has still answered in full.
+
         Raises:
             EngineError: an in-band error frame, or the body ended before any choice finished.
             EngineResponseError: a malformed event or a token-ID violation.
         """
+        if self.complete:
+            return await self._after_complete()
         event = await self.stream.next_event()
         if isinstance(event, ChunkEvent):
             self.observe(event)
@@ -117,6 +129,33 @@ class Exchange:
             raise EngineError(f"engine {self.engine.name} reported an error: {event.message()}")
         if not event.clean and not self.finished:
             raise EngineError(f"engine {self.engine.name} ended its stream before finishing")
+        return None
+
+    @property
+    def complete(self) -> bool:
+        """Everything a client needs has arrived: the finish and the (forced) usage chunk."""
+        return self.finished and self.measurements.usage_seen
+
+    def has_pending(self) -> bool:
+        """Whether :meth:`next_chunk` can answer without reading the network."""
+        return self.stream.has_pending() and not self.complete
+
+    async def _after_complete(self) -> ChunkEvent | None:
+        with trio.move_on_after(AFTER_COMPLETE_S):
+            try:
+                event = await self.stream.next_event()
+            except UpstreamFailure as exc:
+                log.info(
+                    "engine %s broke its stream after a complete answer: %s",
+                    self.engine.name,
+                    exc.message,
+                )
+                return None
+            if isinstance(event, ChunkEvent):
+                self.observe(event)
+                return event
+            return None
+        log.info("engine %s idled after a complete answer; ending it", self.engine.name)
         return None
 
     async def read_until_headers(self) -> None:
@@ -140,12 +179,6 @@ class Exchange:
         held, self.held = self.held, []
         return held
 
-    async def aclose(self) -> None:
-        """Close the upstream stream and give the slot back, even under cancellation."""
-        self.slot.release()
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
-            await self.stream.aclose()
-
     def record_outcome(self, *, ok: bool) -> None:
         """Count the exchange in the engine's statistics."""
         if ok:
@@ -154,17 +187,25 @@ class Exchange:
             self.engine.failed += 1
 
 
+@asynccontextmanager
 async def open_exchange(
     pool: EnginePool,
     request: CompletionRequest,
     slot: Slot,
     arrival: float,
     *,
+    headers: Mapping[str, str] | None = None,
     on_first_output: Callable[[float], None] | None = None,
-) -> Exchange:
+) -> AsyncIterator[Exchange]:
     """Open ``request``'s upstream stream on its placement and read until headers may go out.
 
-    ``on_first_output`` is called with the TTFT when the first output event arrives.
+    Used as ``async with open_exchange(...) as exchange``: on exit, however the block ends, the
+    upstream stream is closed (the engine sees the client go away) and a retry's slot is given
+    back. ``slot`` itself stays the caller's to release; a failed attempt releases it at once
+    (releasing is idempotent) so that its engine's occupancy is true during the retry.
+
+    ``headers`` go to the engine with the request (the request id); ``on_first_output`` is
+    called with the TTFT when the first output event arrives.
 
     Before headers, a failed attempt is retried once, on a different eligible engine with a free
     prefill slot now; without one, or when the retry fails too, the answer is a 502.
@@ -173,49 +214,83 @@ async def open_exchange(
         EngineRejectedRequest: the engine refused the request (4xx); not retried.
         UpstreamFailure: both attempts failed, or the first did and no other engine had room.
     """
-    tried: list[Engine] = []
-    failure: UpstreamFailure | None = None
-    next_slot: Slot | None = slot
-    while next_slot is not None:
-        engine = next_slot.engine
-        tried.append(engine)
-        try:
-            return await _attempt(next_slot, request, Measurements(arrival, on_first_output))
-        except (EngineError, EngineResponseError) as exc:
-            log.warning("attempt on engine %s failed: %s", engine.name, exc.message)
-            engine.failed += 1
-            if isinstance(exc, EngineUnreachable):
-                engine.mark_unreachable(exc.message)
-            failure = exc
-        if len(tried) == 2:
-            break
-        other = pool.best(
-            next_slot.prompt_tokens, exclude=tried, need_token_ids=request.wants_token_ids
-        )
-        next_slot = (
-            None
-            if other is None
-            else Slot.take(other, slot.prompt_tokens, route=slot.route, max_tokens=slot.max_tokens)
-        )
-    assert failure is not None
-    if isinstance(failure, EngineResponseError):
-        raise failure
-    raise EngineError(f"The engines failed to answer: {failure.message}")
+    failures: list[tuple[Engine, UpstreamFailure]] = []
+    async with AsyncExitStack() as held:
+        attempt_slot = slot
+        while True:
+            engine = attempt_slot.engine
+            try:
+                exchange = await _attempt(
+                    held, attempt_slot, request, Measurements(arrival, on_first_output), headers
+                )
+                break
+            except (EngineError, EngineResponseError) as exc:
+                attempt_slot.release()
+                log.warning("attempt on engine %s failed: %s", engine.name, exc.message)
+                engine.failed += 1
+                if isinstance(exc, EngineUnreachable):
+                    engine.mark_unreachable(exc.message)
+                failures.append((engine, exc))
+            other = None
+            if len(failures) < 2:
+                other = pool.best(
+                    slot.prompt_tokens,
+                    exclude=[engine for engine, _ in failures],
+                    need_token_ids=request.wants_token_ids,
+                )
+            if other is None:
+                raise _give_up(failures)
+            attempt_slot = held.enter_context(
+                _released(
+                    Slot.take(
+                        other, slot.prompt_tokens, route=slot.route, max_tokens=slot.max_tokens
+                    )
+                )
+            )
+        yield exchange
 
 
-async def _attempt(slot: Slot, request: CompletionRequest, measurements: Measurements) -> Exchange:
+def _give_up(failures: list[tuple[Engine, UpstreamFailure]]) -> UpstreamFailure:
+    last = failures[-1][1]
+    if isinstance(last, EngineResponseError):
+        return last
+    if len(failures) == 1:
+        return EngineError(f"The engine failed to answer: {last.message}")
+    told = "; ".join(failure.message for _, failure in failures)
+    return EngineError(f"Both engines tried failed to answer: {told}")
+
+
+@contextmanager
+def _released(slot: Slot) -> Iterator[Slot]:
+    try:
+        yield slot
+    finally:
+        slot.release()
+
+
+async def _attempt(
+    held: AsyncExitStack,
+    slot: Slot,
+    request: CompletionRequest,
+    measurements: Measurements,
+    headers: Mapping[str, str] | None,
+) -> Exchange:
+    """One try on ``slot``'s engine; on success the open stream's close joins ``held``."""
     engine = slot.engine
     token_ids = engine.provides_token_ids
     body, exposure = upstream_body(request, token_ids=token_ids)
-    try:
-        stream = await engine.client.open_stream(request.route, body, ids_required=token_ids)
-    except BaseException:
-        slot.release()
-        raise
-    exchange = Exchange(request, engine, stream, exposure, slot, measurements)
-    try:
+    async with AsyncExitStack() as attempt:
+        stream = await engine.client.open_stream(
+            request.route, body, ids_required=token_ids, headers=headers
+        )
+        attempt.push_async_callback(_close_stream, stream)
+        exchange = Exchange(request, engine, stream, exposure, slot, measurements)
         await exchange.read_until_headers()
-    except BaseException:
-        await exchange.aclose()
-        raise
+        held.push_async_exit(attempt.pop_all())
     return exchange
+
+
+async def _close_stream(stream: UpstreamStream) -> None:
+    # Even under cancellation (a client gone), and never for long: the engine must learn.
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        await stream.aclose()

@@ -13,9 +13,7 @@ from typing import Any
 
 import httpx
 from quart import Response, request
-from quart.utils import encode_headers
 from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from narwhal.config import Config
@@ -26,9 +24,9 @@ from narwhal.errors import (
     RequestTooLarge,
     RouteNotFound,
 )
+from narwhal.protocol.requests import Route
 from narwhal.router import Router
-from narwhal.web.body import NarwhalRequest
-from narwhal.web.completions import RelayBody, handle_completion
+from narwhal.web.completions import serve_completion
 from narwhal.web.metrics import CONTENT_TYPE
 from narwhal.web.responses import error_response, json_response
 
@@ -37,26 +35,28 @@ __all__ = ["create_app", "get_router"]
 log = logging.getLogger(__name__)
 
 
-class NarwhalHTTPConnection(TrioASGIHTTPConnection):
-    """Quart-Trio's HTTP connection, serving relays itself.
-
-    A :class:`~narwhal.web.completions.RelayBody` is sent by its own ``respond`` (a pump task
-    and a batching writer in the request's nursery) rather than iterated frame by frame; every
-    other response goes through Quart as usual.
-    """
-
-    async def _send_response(self, send: Any, response: Any) -> None:
-        body = getattr(getattr(response, "response", None), "iter", None)
-        if isinstance(body, RelayBody):
-            await body.respond(send, response.status_code, encode_headers(response.headers))
-            return
-        await super()._send_response(send, response)
+COMPLETION_ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+}
 
 
 class NarwhalApp(QuartTrio):
-    """The Quart-Trio app with :class:`NarwhalHTTPConnection`."""
+    """The Quart-Trio app, with the completion routes served as plain ASGI.
 
-    asgi_http_class = NarwhalHTTPConnection
+    ``POST`` to a completion route goes straight to
+    :func:`~narwhal.web.completions.serve_completion`, which holds the request in one coroutine
+    from its first byte to its last; every other request goes through Quart (which also answers
+    a completion route's other methods with the 405 envelope).
+    """
+
+    async def asgi_app(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = COMPLETION_ROUTES.get(scope["path"])
+            if route is not None:
+                await serve_completion(get_router(self), route, scope, receive, send)
+                return
+        await super().asgi_app(scope, receive, send)
 
 
 def get_router(app: QuartTrio) -> Router:
@@ -78,7 +78,6 @@ def create_app(
             in-process simulator for tests and the demo).
     """
     app = NarwhalApp("narwhal")
-    app.request_class = NarwhalRequest
     app.config.update(
         RESPONSE_TIMEOUT=None,
         BODY_TIMEOUT=config.serving.request_deadline_s,
@@ -96,13 +95,12 @@ def create_app(
     async def stop() -> None:
         await router.aclose()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await handle_completion(router, "chat")
+    async def served_as_asgi() -> Response:  # pragma: no cover - NarwhalApp.asgi_app serves
+        raise RuntimeError("completion routes are served by NarwhalApp.asgi_app")
 
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await handle_completion(router, "completions")
+    for path in COMPLETION_ROUTES:
+        # Registered so that other methods get the 405 envelope (with Allow).
+        app.add_url_rule(path, path, served_as_asgi, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:

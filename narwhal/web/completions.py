@@ -3,34 +3,35 @@
 A request reads top to bottom: count it offered; read the body within the byte limit; validate
 it (:mod:`narwhal.protocol.requests`); place it and open its upstream stream, retrying once
 before headers (:mod:`narwhal.upstream.exchange`); then relay the stream or assemble one
-response. The request deadline is a cancel scope around each wait, opened here and nowhere
-else. Every path ends by finishing the request's :class:`~narwhal.admission.accounting.Ticket`
-exactly once.
+response.
 
-The upstream stream lives in the request's own task: Quart-Trio runs the handler and then
-iterates the response body in the same task of the per-request nursery, which it cancels when
-the client disconnects. A disconnect therefore raises ``Cancelled`` (or closes the body
-generator) wherever the request is waiting, and the ``finally`` clauses close the upstream.
+The routes are plain ASGI (:func:`serve_completion`): one coroutine holds the request from its
+first byte to its last, and every resource is taken and given back by one construct, nested in
+the order they are taken: the router's hold on the request (which a shutdown may cut) and its
+ticket in the books, the HTTP retention slot, the queue place and engine slot, the upstream
+stream. No path, however it fails, can leak one of them. The request deadline is a cancel scope
+opened here and nowhere else; the client going away cancels the request's scope at once, and
+is counted ``cancelled``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
-import attrs
 import orjson
 import trio
-from quart import Response, request
 
-from narwhal.admission.accounting import TerminalClass, Ticket
+from narwhal.admission.accounting import Ticket
 from narwhal.admission.predictor import check_budget, project
 from narwhal.admission.queue import Waiter
 from narwhal.errors import (
     Expired,
     InvalidRequest,
     NarwhalError,
+    RequestTimeout,
     Unavailable,
     UnsupportedOption,
     UpstreamFailure,
@@ -39,19 +40,16 @@ from narwhal.protocol.assembly import Assembler
 from narwhal.protocol.chunks import expose
 from narwhal.protocol.requests import CompletionRequest, Route, parse_request
 from narwhal.protocol.sse import encode_data, encode_done
-from narwhal.router import Router
+from narwhal.router import LiveRequest, Router
 from narwhal.upstream.client import ChunkEvent
 from narwhal.upstream.exchange import Exchange, open_exchange
-from narwhal.web.body import read_body
-from narwhal.web.responses import error_response, json_response
+from narwhal.web.client import Client, ClientGone, Receive, Send
 
-__all__ = ["RelayBody", "handle_completion", "parse_deadline_headers"]
+__all__ = ["parse_deadline_headers", "serve_completion"]
 
 log = logging.getLogger(__name__)
 
 DEADLINE_HEADERS = ("x-narwhal-deadline-ms", "x-envoy-expected-rq-timeout-ms")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_RELAY_BUFFER = 256  # frames between the pump and the writer (backpressure beyond)
 
 
 def parse_deadline_headers(headers: Any, default_s: float) -> float:
@@ -75,137 +73,169 @@ def parse_deadline_headers(headers: Any, default_s: float) -> float:
     return seconds
 
 
-@attrs.define(eq=False)
-class _Life:
-    """What one request holds, released exactly once however it ends.
+async def serve_completion(
+    router: Router, route: Route, scope: dict[str, Any], receive: Receive, send: Send
+) -> None:
+    """Serve one completion request (both routes) over ASGI; count it exactly once.
 
-    The ticket is finished once (the conservation law), the retention slot given back once,
-    and the upstream exchange, once opened, closed once.
+    Never raises: every outcome is an answer to the client (or nothing, when it went away) and
+    one terminal class in the books.
     """
-
-    router: Router
-    ticket: Ticket
-    arrival: float
-    retained: bool = False
-    exchange: Exchange | None = None
-    handed_over: bool = False  # a streaming body now owns the release
-
-    def finish(self, terminal: TerminalClass, reason: str | None = None) -> None:
-        if self.ticket.finished is None:
-            self.ticket.finish(terminal, reason)
-
-    def fail(self, error: NarwhalError) -> None:
-        self.finish(cast(TerminalClass, error.counted_as), error.code)
-
-    async def close(self, *, default: TerminalClass = "cancelled") -> None:
-        """Release everything; an unfinished ticket is counted as ``default``."""
-        self.finish(default)
-        if self.exchange is not None:
-            exchange, self.exchange = self.exchange, None
-            await exchange.aclose()
-        if self.retained:
-            self.retained = False
-            self.router.retention.release()
-
-
-async def handle_completion(router: Router, route: Route) -> Response:
-    """Serve one completion request (both routes); count it exactly once."""
-    life = _Life(router, router.accounting.offer(), trio.current_time())
-    try:
-        router.check_state()
-        router.retention.acquire()
-        life.retained = True
-        return await _serve(life, route)
-    except NarwhalError as exc:
-        life.fail(exc)
-        return error_response(exc)
-    except Exception:
-        log.exception("request failed inside the router")
-        life.finish("failed", "internal_error")
-        return error_response(NarwhalError("Internal router error."))
-    finally:
-        if not life.handed_over:
-            with trio.CancelScope(shield=True):
-                await life.close()
-
-
-async def _serve(life: _Life, route: Route) -> Response:
-    router = life.router
-    config = router.config
-    admission = config.admission
-    # The body is read under the default deadline; the headers may only shorten it, and are
-    # checked after the size limit (413 comes first).
-    deadline = life.arrival + config.serving.request_deadline_s
-    with trio.move_on_at(deadline) as scope:
-        raw = await read_body(request, config.serving.max_request_bytes)
-        deadline = life.arrival + parse_deadline_headers(
-            request.headers, config.serving.request_deadline_s
-        )
-        scope.deadline = deadline
-        parsed = parse_request(raw, route, config.serving.model)
-        need_ids = parsed.wants_token_ids
-        if need_ids and not router.pool.any_provides_token_ids():
-            raise UnsupportedOption(
-                "`return_token_ids` was requested but no engine behind this router provides "
-                "token IDs.",
-                param="return_token_ids",
-            )
-        tokens = router.sizer.prompt_tokens(parsed)
-        life.ticket.sized = True
-        projection = None
-        budget = admission.ttft_budget_s
-        if admission.mode == "predictive":
-            now = trio.current_time()
-            projection = project(
-                router.pool,
-                router.queue.waiting(),
-                Waiter(tokens, need_ids, route, parsed.max_output_tokens),
-                router.lengths,
-                now=now,
-                elapsed_s=now - life.arrival,
-                overhead_s=admission.frontend_overhead_s,
-                margin=router.margin.factor,
-            )
-            if projection is None:
-                raise _no_engine()
-            check_budget(projection, budget)
-        elif not router.pool.any_eligible(need_token_ids=need_ids):
-            raise _no_engine()
-        waiter = Waiter(tokens, need_ids, route, parsed.max_output_tokens)
-        slot = router.queue.place_now(waiter)
-        if slot is None:
-            router.queue.enqueue(waiter)
-            slot = await router.queue.wait_for_placement(waiter, admission.admission_wait_s)
-        router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
-        teach = None
-        if projection is not None:  # the margin learns how the projection fared
-            teach = partial(router.margin.observe, projection.typical_s, budget_s=budget)
-        life.exchange = exchange = await open_exchange(
-            router.pool, parsed, slot, life.arrival, on_first_output=teach
-        )
-        if parsed.stream:
-            life.handed_over = True
-            response = Response(
-                RelayBody(life, exchange, deadline),
-                status=200,
-                content_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
-            response.timeout = None
-            return response
+    client = Client(scope, receive, send)
+    arrival = trio.current_time()
+    with router.hold(client.request_id) as live, router.accounting.offer() as ticket:
         try:
-            body = await _assemble(exchange, parsed)
-        except UpstreamFailure:
-            exchange.record_outcome(ok=False)
-            raise
-        exchange.record_outcome(ok=True)
-        _learn(router, exchange)
-        life.finish("completed")
-        return json_response(body)
-    raise Expired(
-        "The request deadline passed before the response could start.",
+            with live.scope:
+                await _serve(router, route, client, live, ticket, arrival)
+            if live.scope.cancelled_caught and ticket.finished is None:
+                if not live.cut:
+                    ticket.finish("cancelled")
+                    return
+                raise Unavailable(
+                    "This router is shutting down; the request was ended. Retry on another.",
+                    code="shutdown",
+                )
+        except NarwhalError as exc:
+            _fail(ticket, exc)
+            if isinstance(exc, UpstreamFailure):
+                log.warning("request %s failed: %s", client.request_id, exc.message)
+            await client.send_error(exc)
+        except ClientGone:
+            if ticket.finished is None:
+                ticket.finish("cancelled")
+        except Exception:
+            log.exception("request %s failed inside the router", client.request_id)
+            if ticket.finished is None:
+                ticket.finish("failed", "internal_error")
+            await client.send_error(NarwhalError("Internal router error."))
+
+
+def _fail(ticket: Ticket, error: NarwhalError) -> None:
+    if ticket.finished is None and error.counted_as is not None:
+        ticket.finish(error.counted_as, error.code)  # type: ignore[arg-type]
+
+
+async def _serve(
+    router: Router,
+    route: Route,
+    client: Client,
+    live: LiveRequest,
+    ticket: Ticket,
+    arrival: float,
+) -> None:
+    config = router.config
+    serving = config.serving
+    router.check_state()
+    with router.retention.hold():
+        # The body is read under the body timeout and the default deadline; the headers may
+        # only shorten the deadline, and are checked after the size limit (413 comes first).
+        deadline = arrival + serving.request_deadline_s
+        with trio.move_on_at(min(deadline, arrival + serving.body_timeout_s)) as reading:
+            raw = await client.read_body(serving.max_request_bytes)
+        if reading.cancelled_caught:
+            if trio.current_time() >= deadline:
+                raise _deadline_expired()
+            raise RequestTimeout(
+                f"The request body did not arrive within {serving.body_timeout_s:g} s."
+            )
+        deadline = arrival + parse_deadline_headers(client.headers, serving.request_deadline_s)
+        parsed = parse_request(raw, route, serving.model)
+        with trio.move_on_at(deadline) as timer:
+            await _watched(router, client, live, ticket, parsed, arrival)
+        if timer.cancelled_caught and ticket.finished is None:
+            raise _deadline_expired()
+
+
+def _deadline_expired() -> Expired:
+    return Expired(
+        "The request deadline passed before the answer was complete.",
         code="request_deadline_expired",
     )
+
+
+async def _watched(
+    router: Router,
+    client: Client,
+    live: LiveRequest,
+    ticket: Ticket,
+    parsed: CompletionRequest,
+    arrival: float,
+) -> None:
+    """Answer ``parsed`` while a task watches for the client going away."""
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.watch, live.scope)
+            try:
+                await _answer(router, client, ticket, parsed, arrival)
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The watcher never fails: the group holds the answer's own exception. Raise it as is,
+        # so that the caller's handlers (and cancel scopes) see it.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+async def _answer(
+    router: Router, client: Client, ticket: Ticket, parsed: CompletionRequest, arrival: float
+) -> None:
+    admission = router.config.admission
+    need_ids = parsed.wants_token_ids
+    if need_ids and not router.pool.any_provides_token_ids():
+        raise UnsupportedOption(
+            "`return_token_ids` was requested but no engine behind this router provides token IDs.",
+            param="return_token_ids",
+        )
+    route = parsed.route
+    tokens = router.sizer.prompt_tokens(parsed)
+    ticket.sized = True
+    waiter = Waiter(tokens, need_ids, route, parsed.max_output_tokens)
+    projection = None
+    budget = admission.ttft_budget_s
+    if admission.mode == "predictive":
+        now = trio.current_time()
+        projection = project(
+            router.pool,
+            router.queue.waiting(),
+            waiter,
+            router.lengths,
+            now=now,
+            elapsed_s=now - arrival,
+            overhead_s=admission.frontend_overhead_s,
+            margin=router.margin.factor,
+        )
+        if projection is None:
+            raise _no_engine()
+        check_budget(projection, budget)
+    elif not router.pool.any_eligible(need_token_ids=need_ids):
+        raise _no_engine()
+    teach = None
+    if projection is not None:  # the margin learns how the projection fared
+        teach = partial(router.margin.observe, projection.typical_s, budget_s=budget)
+    async with router.queue.placement(waiter, admission.admission_wait_s) as slot:
+        router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
+        async with open_exchange(
+            router.pool,
+            parsed,
+            slot,
+            arrival,
+            headers={"x-request-id": client.request_id},
+            on_first_output=teach,
+        ) as exchange:
+            try:
+                if parsed.stream:
+                    await _relay(client, ticket, exchange)
+                else:
+                    body = await _assemble(exchange, parsed)
+                    ticket.finish("completed")
+                    with contextlib.suppress(ClientGone):
+                        await client.respond(200, orjson.dumps(body))
+            except UpstreamFailure:
+                exchange.record_outcome(ok=False)
+                raise
+            exchange.record_outcome(ok=True)
+            _learn(router, exchange)
 
 
 def _no_engine() -> Unavailable:
@@ -226,109 +256,42 @@ async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, 
     return assembler.result()
 
 
-class RelayBody:
-    """A streamed response: the relay of one request's upstream stream to its client.
+async def _relay(client: Client, ticket: Ticket, exchange: Exchange) -> None:
+    """Relay the upstream stream to the client, in the engine's shape.
 
-    :class:`~narwhal.web.app.NarwhalHTTPConnection` serves it with :meth:`respond`: the
-    request's nursery holds a *pump* task, which reads the upstream stream under the request
-    deadline (an explicit cancel scope) and turns chunks into client frames, and the writer,
-    which sends whatever frames are ready in one write. When the client is slower than the
-    engine, frames gather and go out together instead of one write per token.
-
-    Whatever ends the response (the last byte, an in-band error, the client leaving, even
-    before the first byte), what the request holds is released exactly once.
+    One task reads and writes: everything one network read completed goes out in one write, so
+    a client slower than its engine gets frames gathered instead of one write per token. A
+    failure after the headers is one in-band error event and ``data: [DONE]``, sent by the
+    caller; what this relay held back (a finish chunk) goes out before it.
     """
-
-    def __init__(self, life: _Life, exchange: Exchange, deadline: float) -> None:
-        self._life = life
-        self._exchange = exchange
-        self._deadline = deadline
-
-    def __aiter__(self) -> RelayBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        raise RuntimeError("a relay is served by NarwhalHTTPConnection, not iterated")
-
-    async def respond(self, send: Any, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """Send the whole response through the ASGI ``send``."""
-        frames_in, frames_out = trio.open_memory_channel[bytes](_RELAY_BUFFER)
-        first_sent = trio.Event()
-        try:
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump, frames_in, first_sent)
-                async with frames_out:
-                    async for frame in frames_out:
-                        batch = [frame]
-                        while True:
-                            try:
-                                batch.append(frames_out.receive_nowait())
-                            except (trio.WouldBlock, trio.EndOfChannel):
-                                break
-                        body = batch[0] if len(batch) == 1 else b"".join(batch)
-                        await send({"type": "http.response.body", "body": body, "more_body": True})
-                        first_sent.set()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await self.aclose()
-
-    async def aclose(self) -> None:
-        """Release what the request holds (idempotent; the client may never have read)."""
-        with trio.CancelScope(shield=True):
-            await self._life.close()
-
-    async def _pump(self, frames: trio.MemorySendChannel[bytes], first_sent: trio.Event) -> None:
-        life, exchange = self._life, self._exchange
-        relay = _StreamRelay(exchange)
-
-        async def emit(items: list[bytes]) -> None:
-            # An idle writer sends at once; a busy one (its last write still going out) finds
-            # the frames gathered when it comes back.
-            writer_idle = frames.statistics().tasks_waiting_receive > 0
-            for item in items:
-                try:
-                    frames.send_nowait(item)
-                except trio.WouldBlock:
-                    await frames.send(item)
-            if writer_idle:
-                await trio.lowlevel.checkpoint()
-
-        async with frames:
-            try:
-                with trio.move_on_at(self._deadline) as deadline:
-                    for event in exchange.take_held():
-                        await emit(relay.frames(event))
-                    # The first output goes out before anything else is read: that is the TTFT.
-                    await first_sent.wait()
-                    while (chunk := await exchange.next_chunk()) is not None:
-                        await emit(relay.frames(chunk))
-                    await emit([*relay.finish(), encode_done()])
-                if deadline.cancelled_caught:
-                    raise Expired(
-                        "The request deadline passed while the response was streaming.",
-                        code="request_deadline_expired",
-                    )
-                exchange.record_outcome(ok=True)
-                life.finish("completed")
-                _learn(life.router, exchange)
-            except NarwhalError as exc:
-                if isinstance(exc, UpstreamFailure):
-                    exchange.record_outcome(ok=False)
-                log.info("stream ended in-band: %s", exc.message)
-                life.fail(exc)
-                await emit(
-                    [*relay.finish(), encode_data(orjson.dumps(exc.envelope())), encode_done()]
-                )
-            except Exception:
-                log.exception("relay failed")
-                life.finish("failed", "internal_error")
-                failure = UpstreamFailure(
-                    "The router failed while relaying the stream.", code="internal_error"
-                )
-                await emit([encode_data(orjson.dumps(failure.envelope())), encode_done()])
-            finally:
-                await self.aclose()
+    relay = _StreamRelay(exchange)
+    await client.start_stream()
+    try:
+        frames: list[bytes] = []
+        for event in exchange.take_held():
+            frames.extend(relay.frames(event))
+        while True:
+            # Everything already decoded goes out with what came before it, in one write.
+            while exchange.has_pending():
+                chunk = await exchange.next_chunk()
+                if chunk is None:
+                    break
+                frames.extend(relay.frames(chunk))
+            if frames:
+                await client.write(b"".join(frames))
+                frames = []
+            chunk = await exchange.next_chunk()
+            if chunk is None:
+                break
+            frames.extend(relay.frames(chunk))
+    except BaseException:
+        # An error event goes after what the relay held back (a deadline, a shutdown's cut,
+        # an engine failure: the caller sends it).
+        client.owed = b"".join(relay.finish())
+        raise
+    ticket.finish("completed")
+    with contextlib.suppress(ClientGone):  # it has all it needs but the last bytes
+        await client.end(b"".join([*relay.finish(), encode_done()]))
 
 
 class _StreamRelay:
