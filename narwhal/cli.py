@@ -1,16 +1,28 @@
-"""The ``narwhal`` command: serve, demo, sim, bench, check-config."""
+"""The ``narwhal`` command: serve, demo, sim, bench, check-config.
+
+A command-line mistake or a start-up failure (a bad ``--bind``, a port in use, a configuration
+that does not load) is one line on standard error and exit status 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from functools import partial
 
-from narwhal.config import ConfigError, check_resources, config_to_toml, load_config
+from narwhal import __version__
+from narwhal.config import (
+    ConfigError,
+    check_bind,
+    check_resources,
+    config_to_toml,
+    load_config,
+)
 
-__all__ = ["main"]
+__all__ = ["bind_problem", "listen_failure", "main", "time_scale_problem"]
 
 COMMANDS = ("serve", "demo", "sim", "bench", "check-config")
 
@@ -21,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] == "--version":
+        print(f"narwhal {__version__}")
+        return 0
     command, rest = args[0], args[1:]
     if command == "sim":
         from narwhal.sim.server import main as sim_main
@@ -39,14 +54,55 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _usage() -> str:
     return (
-        "usage: narwhal COMMAND [ARGS]\n\n"
+        "usage: narwhal COMMAND [ARGS]\n"
+        "       narwhal --version\n\n"
         "commands:\n"
         "  serve --config FILE       run the router under Hypercorn (Trio worker)\n"
         "  demo                      router and two simulated engines in one process\n"
         "  sim --bind HOST:PORT ...  one simulated engine server\n"
-        "  bench overhead ...        benchmarks (see `narwhal bench --help`)\n"
-        "  check-config FILE         validate a configuration and print the effective values"
+        "  bench overhead ...        the router's added latency and CPU (direct, Narwhal, "
+        "vllm-router)\n"
+        "  bench admission ...       goodput and TTFT of replayed traces, predictive vs open\n"
+        "  check-config FILE         validate a configuration and print the effective values\n\n"
+        "`narwhal COMMAND --help` lists a command's options."
     )
+
+
+def bind_problem(bind: str) -> str | None:
+    """Why ``bind`` cannot be listened on as given (not ``HOST:PORT``, port out of range)."""
+    try:
+        check_bind(bind)
+    except ConfigError as exc:
+        return f"--bind {exc}"
+    return None
+
+
+def time_scale_problem(scale: float) -> str | None:
+    """Why ``scale`` cannot multiply simulated durations (negative, NaN or infinite)."""
+    if math.isfinite(scale) and scale >= 0:
+        return None
+    return f"--time-scale must be a finite number of at least 0, got {scale:g}"
+
+
+def listen_failure(error: BaseException) -> OSError | None:
+    """The OSError that ``error`` is, or that is the one leaf of its exception groups.
+
+    Hypercorn raises a refused bind (port in use, unknown host) inside its own nursery, so it
+    reaches ``trio.run`` wrapped in one or more single-exception groups. Anything else (another
+    exception, several of them) is not a listen failure and is left to propagate.
+    """
+    leaf = _only_leaf(error)
+    return leaf if isinstance(leaf, OSError) else None
+
+
+def _only_leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def _describe(error: OSError) -> str:
+    return error.strerror or str(error)
 
 
 def _logging(verbose: bool) -> None:
@@ -63,11 +119,16 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine joins and errors")
     args = parser.parse_args(argv)
     _logging(args.verbose)
+    problem = bind_problem(args.bind) if args.bind is not None else None
+    if problem is not None:
+        print(f"narwhal serve: {problem}", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         print(f"narwhal serve: {exc}", file=sys.stderr)
         return 2
+    bind = args.bind or config.serving.bind
     import trio
 
     from narwhal.server import serve, wait_for_signal
@@ -81,8 +142,15 @@ def _serve(argv: list[str]) -> int:
 
     try:
         trio.run(run)
-    except ConfigError as exc:
-        print(f"narwhal serve: {exc}", file=sys.stderr)
+    except (ConfigError, OSError, BaseExceptionGroup) as exc:
+        leaf = _only_leaf(exc)
+        if isinstance(leaf, ConfigError):
+            print(f"narwhal serve: {leaf}", file=sys.stderr)
+            return 2
+        refused = listen_failure(exc)
+        if refused is None:
+            raise
+        print(f"narwhal serve: cannot listen on {bind}: {_describe(refused)}", file=sys.stderr)
         return 2
     return 0
 
@@ -98,6 +166,10 @@ def _demo(argv: list[str]) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine joins and errors")
     args = parser.parse_args(argv)
+    problem = bind_problem(args.bind) or time_scale_problem(args.time_scale)
+    if problem is not None:
+        print(f"narwhal demo: {problem}", file=sys.stderr)
+        return 2
     _logging(args.verbose)
     from narwhal.demo import run_demo
 
@@ -113,6 +185,10 @@ def _check_config(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.file)
+    except ConfigError as exc:  # the message starts with the path
+        print(exc, file=sys.stderr)
+        return 1
+    try:
         check_resources(config)
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)

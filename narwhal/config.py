@@ -28,6 +28,7 @@ __all__ = [
     "MonitoringConfig",
     "ServingConfig",
     "UpstreamConfig",
+    "check_bind",
     "check_resources",
     "config_from_mapping",
     "config_to_mapping",
@@ -57,10 +58,20 @@ def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float) -
         raise ConfigError(f"must be between 0 and 1, got {value!r}")
 
 
-def _bind(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+def check_bind(value: str) -> None:
+    """Check that ``value`` is ``HOST:PORT`` with a port from 0 to 65535 (``serving.bind``).
+
+    Raises:
+        ConfigError: it is not.
+    """
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"must be HOST:PORT, got {value!r}")
+    digits = port.isascii() and port.isdigit()
+    if not sep or not host or not digits or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"must be HOST:PORT with a port from 0 to 65535, got {value!r}")
+
+
+def _bind(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    check_bind(value)
 
 
 def _profile(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -85,6 +96,8 @@ class ServingConfig:
     max_request_bytes: int = attrs.field(default=1_048_576, validator=_positive)
     request_deadline_s: float = attrs.field(default=300.0, validator=_positive)
     tokenizer: str = ""  # path to a local tokenizer.json; empty: estimate from characters
+    # The longest a client may take to send a whole request body (408 after).
+    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
 
 
 @attrs.frozen
@@ -196,16 +209,24 @@ def load_config(path: str | Path) -> Config:
     """Read and validate a TOML configuration file.
 
     Raises:
-        ConfigError: the file is missing, is not TOML, or holds an unknown key or a bad value.
+        ConfigError: the file is missing or unreadable, is not UTF-8 TOML, or holds an unknown
+            key, a bad value or no engine. The message starts with the path.
     """
     try:
         with open(path, "rb") as file:
             data = tomllib.load(file)
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: no such file") from exc
+    except OSError as exc:  # a folder, no permission
+        raise ConfigError(f"{path}: cannot read the file: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    return config_from_mapping(data)
+    try:
+        return config_from_mapping(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def check_resources(config: Config) -> None:
@@ -226,10 +247,15 @@ def check_resources(config: Config) -> None:
 def config_from_mapping(data: Mapping[str, Any]) -> Config:
     """Build a :class:`Config` from parsed TOML (or any mapping of the same shape).
 
+    A configuration needs at least one ``[[engines]]`` table (a :class:`Config` built in code
+    may have none).
+
     Raises:
-        ConfigError: an unknown key or a bad value, named by its dotted path.
+        ConfigError: an unknown key or a bad value, named by its dotted path, or no engine.
     """
     config: Config = _build(Config, data, "")
+    if not config.engines:
+        raise ConfigError("engines: no [[engines]] table; the router needs at least one engine")
     return config
 
 

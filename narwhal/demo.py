@@ -13,6 +13,7 @@ from functools import partial
 import httpx
 import trio
 
+from narwhal.cli import listen_failure
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig
 from narwhal.server import serve, wait_for_signal
 from narwhal.sim.engine import SimEngine
@@ -101,7 +102,11 @@ def run_demo(*, bind: str = "127.0.0.1:8000", time_scale: float = 1.0) -> int:
         trio.run(main)
     except KeyboardInterrupt:
         pass
-    except OSError as exc:
-        print(f"narwhal demo: cannot serve on {bind}: {exc}", file=sys.stderr)
-        return 1
+    except (OSError, BaseExceptionGroup) as exc:
+        refused = listen_failure(exc)
+        if refused is None:
+            raise
+        reason = refused.strerror or refused
+        print(f"narwhal demo: cannot listen on {bind}: {reason}", file=sys.stderr)
+        return 2
     return 0

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import narwhal
 from narwhal.asgi import app
-from narwhal.cli import main
-from narwhal.config import ConfigError, load_config
+from narwhal.bench.cli import _parser as bench_parser
+from narwhal.cli import listen_failure, main
+from narwhal.config import Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,6 +87,139 @@ def test_check_config_loads_the_named_tokenizer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "config.toml"
-    path.write_text(f"[serving]\ntokenizer = '{tmp_path / 'missing.json'}'\n")
+    path.write_text(f"[serving]\ntokenizer = '{tmp_path / 'missing.json'}'\n{ENGINE}")
     assert main(["check-config", str(path)]) == 1
     assert "serving.tokenizer" in capsys.readouterr().err
+
+
+# -- command-line errors are one line ----------------------------------------------------------
+
+ENGINE = "[[engines]]\nname = 'a'\nurl = 'http://127.0.0.1:9'\n"
+
+
+def one_line(err: str) -> str:
+    """The one line a failed command printed (never a traceback, never an exception group)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "Exceptions from Trio nursery" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--config", "CONFIG", "--bind", "nonsense"], "narwhal serve: --bind must be"),
+        (["serve", "--config", "CONFIG", "--bind", "127.0.0.1:99999"], "'127.0.0.1:99999'"),
+        (["serve", "--config", "CONFIG", "--bind", "h:8²"], "narwhal serve: --bind must be"),
+        (["demo", "--bind", "nonsense"], "narwhal demo: --bind must be HOST:PORT"),
+        (["demo", "--bind", "127.0.0.1:99999"], "narwhal demo: --bind must be HOST:PORT"),
+        (["demo", "--time-scale", "-1"], "narwhal demo: --time-scale must be"),
+        (["demo", "--time-scale", "inf"], "narwhal demo: --time-scale must be"),
+        (["sim", "--bind", "nonsense", "--model", "m"], "narwhal sim: --bind must be"),
+        (["sim", "--bind", "127.0.0.1:99999", "--model", "m"], "narwhal sim: --bind must be"),
+        (["sim", "--bind", ":0", "--model", "m", "--time-scale", "-1"], "narwhal sim: --bind"),
+        (
+            ["sim", "--bind", "127.0.0.1:0", "--model", "m", "--time-scale", "-1"],
+            "narwhal sim: --time-scale must be a finite number of at least 0, got -1",
+        ),
+        (
+            ["sim", "--bind", "127.0.0.1:0", "--model", "m", "--jitter", "2"],
+            "narwhal sim: --jitter must be between 0 and 1, got 2",
+        ),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(ENGINE)
+    argv = [str(config) if arg == "CONFIG" else arg for arg in argv]
+    assert main(argv) == 2
+    assert message in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read the file: Is a directory"),
+        (b"[serving]\nmodel = '\xff\xfe'\n" + ENGINE.encode(), "not UTF-8 text (byte 19)"),
+        (b"[serving]\nmodel = 'm'\n", "engines: no [[engines]] table"),
+        (b"", "engines: no [[engines]] table"),
+    ],
+)
+def test_unusable_config_files_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | None, message: str
+) -> None:
+    path = tmp_path / "config.toml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")):
+        load_config(path)
+    assert main(["serve", "--config", str(path)]) == 2
+    assert one_line(capsys.readouterr().err).startswith(f"narwhal serve: {path}: {message}")
+    assert main(["check-config", str(path)]) == 1
+    assert one_line(capsys.readouterr().err).startswith(f"{path}: {message}")
+
+
+def test_a_config_built_in_code_may_have_no_engines() -> None:
+    assert Config().engines == ()
+
+
+def test_check_config_names_the_file_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[admission]\nqueue_limt = 3\n")
+    assert main(["check-config", str(path)]) == 1
+    assert one_line(capsys.readouterr().err).startswith(f"{path}: admission.queue_limt: unknown")
+    assert main(["check-config", str(tmp_path / "missing.toml")]) == 1
+    assert one_line(capsys.readouterr().err) == f"{tmp_path / 'missing.toml'}: no such file"
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("command", ["serve", "demo", "sim"])
+def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path, command: str) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(ENGINE)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        bind = f"127.0.0.1:{taken.getsockname()[1]}"
+        extra = {
+            "serve": ["--config", str(config), "--bind", bind],
+            "demo": ["--bind", bind],
+            "sim": ["--bind", bind, "--model", "m"],
+        }[command]
+        done = subprocess.run(
+            [sys.executable, "-m", "narwhal", command, *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 2, done.stderr
+    line = one_line(done.stderr)
+    assert line == f"narwhal {command}: cannot listen on {bind}: Address already in use"
+
+
+def test_listen_failure_unwraps_only_a_lone_os_error() -> None:
+    refused = OSError(98, "Address already in use")
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [refused])])
+    assert listen_failure(nested) is refused
+    assert listen_failure(refused) is refused
+    assert listen_failure(ExceptionGroup("two", [refused, OSError(1, "x")])) is None
+    assert listen_failure(ExceptionGroup("other", [ValueError("x")])) is None
+
+
+def test_version_and_help_list_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"narwhal {narwhal.__version__}"
+    assert main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert "--version" in usage
+    bench_commands = bench_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(bench_commands) == {"overhead", "admission"}
+    for name in bench_commands:
+        assert f"bench {name} " in usage

@@ -186,12 +186,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``narwhal sim``: serve one simulated engine until Ctrl-C. Returns the exit status."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if not args.time_scale >= 0:
-        parser.error("--time-scale must be >= 0")
-    if not 0 <= args.jitter <= 1:
-        parser.error("--jitter must be between 0 and 1")
+    from narwhal.cli import bind_problem, listen_failure, time_scale_problem
+
+    args = _parser().parse_args(argv)
+    problem = bind_problem(args.bind) or time_scale_problem(args.time_scale)
+    if problem is None and not 0 <= args.jitter <= 1:
+        problem = f"--jitter must be between 0 and 1, got {args.jitter:g}"
+    if problem is not None:
+        print(f"narwhal sim: {problem}", file=sys.stderr)
+        return 2
     engine = SimEngine(
         args.model,
         dialect=args.dialect,
@@ -221,16 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         trio.run(run)
-    except OSError as exc:
-        print(f"narwhal sim: cannot listen on {args.bind}: {exc}", file=sys.stderr)
-        return 1
-    except BaseExceptionGroup as group:
-        refused = group.subgroup(OSError)
+    except (OSError, BaseExceptionGroup) as exc:
+        refused = listen_failure(exc)
         if refused is None:
             raise
-        error = refused.exceptions[0]
-        print(f"narwhal sim: cannot listen on {args.bind}: {error}", file=sys.stderr)
-        return 1
+        reason = refused.strerror or refused
+        print(f"narwhal sim: cannot listen on {args.bind}: {reason}", file=sys.stderr)
+        return 2
     return 0
 
 
