@@ -64,6 +64,7 @@ Narwhal is ready at {url}  (two simulated engines; Ctrl-C to stop)
     -d '{{"model": "{model}", "stream": true,
          "messages": [{{"role": "user", "content": "Hello, Narwhal!"}}]}}'
 
+  # Python: needs the openai package (pip install openai, or pip install -e '.[demo]')
   python -c '
 from openai import OpenAI
 client = OpenAI(base_url="{url}/v1", api_key="unused")

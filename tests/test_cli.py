@@ -15,6 +15,7 @@ from narwhal.asgi import app
 from narwhal.bench.cli import _parser as bench_parser
 from narwhal.cli import listen_failure, main
 from narwhal.config import Config, ConfigError, load_config
+from narwhal.demo import examples
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,3 +224,10 @@ def test_version_and_help_list_every_command(capsys: pytest.CaptureFixture[str])
     assert set(bench_commands) == {"overhead", "admission"}
     for name in bench_commands:
         assert f"bench {name} " in usage
+
+
+def test_the_demo_banner_says_the_python_example_needs_openai() -> None:
+    banner = examples("http://127.0.0.1:8000", "m")
+    python = banner.index("from openai import OpenAI")
+    assert "pip install openai" in banner[:python]
+    assert "pip install -e '.[demo]'" in banner[:python]
