@@ -108,9 +108,9 @@ def parse_request(raw: bytes, route: Route, model: str) -> CompletionRequest:
     include_usage, continuous_usage = _stream_options(body, stream)
     n = _optional_int(body, "n", 1)
     best_of = _optional_int(body, "best_of", 1)
-    max_output_tokens = _optional_int(body, "max_tokens", 0)
+    max_output_tokens = _max_tokens(body, route)
     if route == "chat":
-        max_completion_tokens = _optional_int(body, "max_completion_tokens", 0)
+        max_completion_tokens = _optional_int(body, "max_completion_tokens", 1)
         if max_completion_tokens is not None:
             max_output_tokens = max_completion_tokens
     wants_token_ids = _optional_bool(body, "return_token_ids")
@@ -200,6 +200,16 @@ def _optional_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     if value < minimum:
         raise InvalidRequest(f"`{key}` must be at least {minimum}, got {value}.", param=key)
     return value
+
+
+def _max_tokens(body: dict[str, Any], route: Route) -> int | None:
+    """``max_tokens``: at least 1, as vLLM's sampling parameters require.
+
+    On completions 0 is allowed with ``echo: true``: the prompt comes back without generation
+    (vLLM and OpenAI both answer it).
+    """
+    echo_only = route == "completions" and body.get("echo") is True
+    return _optional_int(body, "max_tokens", 0 if echo_only else 1)
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:

@@ -309,7 +309,7 @@ def test_messages_are_clear() -> None:
     assert refusal(chat(n=True)).message == (
         "`n` must be an integer of at least 1 or null, got a Boolean (true)."
     )
-    assert refusal(chat(max_tokens=-3)).message == "`max_tokens` must be at least 0, got -3."
+    assert refusal(chat(max_tokens=-3)).message == "`max_tokens` must be at least 1, got -3."
     assert refusal(chat(messages=DROP)).message.startswith("`messages` is required")
     assert refusal(chat(model=DROP)).message.startswith("`model` is required")
     assert "got null" in refusal(chat(model=None)).message
@@ -517,7 +517,7 @@ def test_wants_token_ids(route: Route, value: bool | None, expected: bool) -> No
     ("fields", "expected"),
     [
         ({}, None),
-        ({"max_tokens": 0}, 0),
+        ({"max_tokens": 1}, 1),
         ({"max_tokens": 100}, 100),
         ({"max_completion_tokens": 50}, 50),
         ({"max_tokens": 100, "max_completion_tokens": 50}, 50),
@@ -541,6 +541,45 @@ def test_chat_max_output_tokens(fields: dict[str, Any], expected: int | None) ->
 )
 def test_completions_max_output_tokens(fields: dict[str, Any], expected: int | None) -> None:
     assert parse(completions(**fields), "completions").max_output_tokens == expected
+
+
+AT_LEAST_1 = "`max_tokens` must be at least 1, got 0."
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "param", "message"),
+    [
+        ("chat", {"max_tokens": 0}, "max_tokens", AT_LEAST_1),
+        ("chat", {"max_tokens": 0, "echo": True}, "max_tokens", AT_LEAST_1),
+        (
+            "chat",
+            {"max_completion_tokens": 0},
+            "max_completion_tokens",
+            "`max_completion_tokens` must be at least 1, got 0.",
+        ),
+        ("completions", {"max_tokens": 0}, "max_tokens", AT_LEAST_1),
+        ("completions", {"max_tokens": 0, "echo": 1}, "max_tokens", AT_LEAST_1),
+        (
+            "completions",
+            {"max_tokens": -1, "echo": True},
+            "max_tokens",
+            "`max_tokens` must be at least 0, got -1.",
+        ),
+        ("completions", {"max_tokens": True}, "max_tokens", "an integer of at least 1 or null"),
+    ],
+)
+def test_max_tokens_is_at_least_1_as_vllm_requires(
+    route: Route, fields: dict[str, Any], param: str, message: str
+) -> None:
+    make = chat if route == "chat" else completions
+    error = refusal(make(**fields), route)
+    assert_invalid(error, param)
+    assert message in error.message
+
+
+def test_max_tokens_0_with_echo_returns_the_prompt_on_completions() -> None:
+    request = parse(completions(max_tokens=0, echo=True), "completions")
+    assert request.max_output_tokens == 0
 
 
 @pytest.mark.parametrize(
