@@ -61,6 +61,10 @@ class Fleet:
         books = stats.accounting
         assert books.in_flight == 0, books
         assert books.offered == sum(books.terminal.values())
+        self.router.accounting.check()
+        assert self.router.in_flight() == 0
+        assert stats.retention.in_use == 0
+        assert stats.queue.depth == 0
         for engine in stats.engines:
             assert (engine.prefill, engine.decode) == (0, 0), engine
 

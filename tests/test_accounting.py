@@ -30,13 +30,34 @@ FAULTS = [
 ]
 
 
-def check_law(fleet: Fleet) -> None:
+class Clients:
+    """What the load itself knows: requests sent, and requests still waiting for their end."""
+
+    sent = 0
+    live = 0
+
+
+def check_law(fleet: Fleet, clients: Clients | None = None) -> None:
     books = fleet.router.statistics().accounting
+    # in_flight is the router's set of open tickets, counted apart from the counters.
     assert books.offered == sum(books.terminal.values()) + books.in_flight
-    assert books.in_flight >= 0
+    fleet.router.accounting.check()
+    if clients is not None:
+        # A request the router holds is one a client still waits on; none is invented.
+        assert books.offered <= clients.sent
+        assert books.in_flight <= clients.live
 
 
-async def one_request(fleet: Fleet, rng: random.Random) -> None:
+async def one_request(fleet: Fleet, rng: random.Random, clients: Clients) -> None:
+    clients.sent += 1
+    clients.live += 1
+    try:
+        await _one_request(fleet, rng, clients)
+    finally:
+        clients.live -= 1
+
+
+async def _one_request(fleet: Fleet, rng: random.Random, clients: Clients) -> None:
     body: dict[str, Any] = {
         "model": MODEL,
         "stream": rng.random() < 0.6,
@@ -60,7 +81,7 @@ async def one_request(fleet: Fleet, rng: random.Random) -> None:
             "POST", "/v1/chat/completions", json=body, headers=headers
         ) as response:
             async for _ in response.aiter_raw():
-                check_law(fleet)
+                check_law(fleet, clients)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -81,11 +102,12 @@ async def test_conservation_under_random_load_and_faults(
             ttft_budget_s=0.8,
         ),
     )
+    clients = Clients()
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
             for _ in range(150):
-                nursery.start_soon(one_request, fleet, random.Random(rng.random()))
-                check_law(fleet)
+                nursery.start_soon(one_request, fleet, random.Random(rng.random()), clients)
+                check_law(fleet, clients)
                 await trio.sleep(rng.expovariate(40))
                 if rng.random() < 0.03:
                     engine = rng.choice(list(fleet.sims))
@@ -102,7 +124,8 @@ async def test_conservation_under_random_load_and_faults(
         assert engine.forecast.in_prefill == 0 and engine.forecast.decoding == 0
         assert engine.forecast.decode_context == 0
     terminal = stats.accounting.terminal
-    assert sum(terminal.values()) == stats.accounting.offered == 150
+    assert sum(terminal.values()) == stats.accounting.offered == clients.sent == 150
+    assert clients.live == 0
     # The mix really exercised the classes.
     assert terminal["completed"] > 0 and terminal["failed"] > 0
     assert terminal["invalid_requests"] > 0
@@ -117,3 +140,30 @@ def test_a_ticket_cannot_be_counted_twice() -> None:
         ticket.finish("failed")
     stats = books.statistics()
     assert stats.offered == 1 and stats.terminal["completed"] == 1 and stats.in_flight == 0
+
+
+def test_in_flight_is_the_set_of_open_tickets_and_the_check_can_fail() -> None:
+    books = Accounting()
+    first, second = books.offer(), books.offer()
+    assert books.statistics().in_flight == 2
+    first.finish("completed")
+    assert books.statistics().in_flight == 1
+    books.check()
+    books._terminal["completed"] += 1  # a request counted twice behind the ticket's back
+    with pytest.raises(AssertionError, match="conservation law broken"):
+        books.check()
+    second.finish("failed")
+
+
+def test_a_ticket_left_open_is_counted_by_how_its_request_ended() -> None:
+    books = Accounting()
+    with books.offer() as ticket:
+        ticket.finish("completed")
+    with pytest.raises(ValueError), books.offer():
+        raise ValueError("a bug")
+    with pytest.raises(KeyboardInterrupt), books.offer():
+        raise KeyboardInterrupt
+    stats = books.statistics()
+    assert stats.by_reason[("failed", "internal_error")] == 1
+    assert stats.terminal["cancelled"] == 1
+    assert stats.in_flight == 0
