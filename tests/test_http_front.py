@@ -197,6 +197,19 @@ async def test_unknown_route_and_wrong_method_answer_with_envelopes(
     assert fleet.counters()["offered"] == 0
 
 
+async def test_a_405_names_the_allowed_methods(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    wrong = await fleet.client.get("/v1/chat/completions")
+    assert_envelope(wrong, 405, "method_not_allowed", None)
+    assert wrong.headers["allow"] == "POST"
+    wrong = await fleet.client.post("/ready")
+    assert_envelope(wrong, 405, "method_not_allowed", None)
+    assert wrong.headers["allow"] == "GET, HEAD"
+    assert "allow" not in (await fleet.client.get("/v2/nothing")).headers
+
+
 @pytest.mark.parametrize("header", ["x-narwhal-deadline-ms", "x-envoy-expected-rq-timeout-ms"])
 @pytest.mark.parametrize("value", ["0", "-5", "1.5", "soon", ""])
 async def test_malformed_deadline_header_is_a_400(

@@ -138,7 +138,11 @@ def create_app(
             )
         else:
             error = FrameworkHTTPError(exc.description or "HTTP error", status=exc.code or 500)
-        return error_response(error)
+        response = error_response(error)
+        allowed = getattr(exc, "valid_methods", None)  # werkzeug's MethodNotAllowed has them
+        if exc.code == 405 and allowed:
+            response.headers["Allow"] = ", ".join(sorted(allowed))  # RFC 9110: a 405 says which
+        return response
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
