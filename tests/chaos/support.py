@@ -435,10 +435,17 @@ def parse_responses(data: bytes) -> list[RawResponse]:
         if b"content-length" in headers:
             size = int(headers[b"content-length"])
             body, data = rest[:size], rest[size:]
+            if len(body) < size:
+                raise ChaosFailure(
+                    f"a truncated response: {status}, content-length {size}, {len(body)} bytes "
+                    f"came: {head[:200]!r}"
+                )
         elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
             body = b""
             while True:
-                line, _, rest = rest.partition(b"\r\n")
+                line, found, rest = rest.partition(b"\r\n")
+                if not found:
+                    raise ChaosFailure(f"a cut chunked body: {status}, {body[-200:]!r}")
                 size = int(line.split(b";")[0] or b"0", 16)
                 if size == 0:
                     _, _, rest = rest.partition(b"\r\n")
@@ -460,9 +467,12 @@ async def raw_exchange(
     gap_s: float = 0.0,
     read_s: float = 5.0,
     half_close: bool = False,
+    until_close: bool = False,
 ) -> bytes:
     """Send ``pieces`` (``gap_s`` apart), then read until the server closes or ``read_s`` passes.
 
+    Unless ``until_close``, reading also stops once a whole response that says
+    ``Connection: close`` has come (whether the server then closes is checked elsewhere).
     Returns whatever came back; a reset by the server reads as the end.
     """
     received = bytearray()
@@ -483,6 +493,8 @@ async def raw_exchange(
                     async def read() -> None:
                         while data := await stream.receive_some(65536):
                             received.extend(data)
+                            if not until_close and _ends_with_close(bytes(received)):
+                                break
                         nursery.cancel_scope.cancel()
 
                     nursery.start_soon(write)
@@ -490,6 +502,14 @@ async def raw_exchange(
             except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
     return bytes(received)
+
+
+def _ends_with_close(data: bytes) -> bool:
+    try:
+        responses = parse_responses(data)
+    except (ChaosFailure, ValueError):
+        return False
+    return bool(responses) and responses[-1].headers.get(b"connection", b"").lower() == b"close"
 
 
 def chat_bytes(body: Mapping[str, Any] | None = None) -> bytes:
