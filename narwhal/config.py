@@ -159,6 +159,9 @@ class MonitoringConfig:
     """``[monitoring]``: engine polls and the router's own health."""
 
     poll_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    poll_timeout_s: float = attrs.field(default=1.0, validator=_positive)
+    failure_threshold: int = attrs.field(default=3, validator=_positive)
+    breaker_open_s: float = attrs.field(default=5.0, validator=_positive)
     stale_after_s: float = attrs.field(default=5.0, validator=_positive)
     max_loop_lag_s: float = attrs.field(default=0.25, validator=_positive)
 

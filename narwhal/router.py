@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Literal
 
 import attrs
@@ -24,9 +23,11 @@ from narwhal.config import Config, ConfigError
 from narwhal.errors import Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics
 from narwhal.scheduling.forecast import PrefillForecast
+from narwhal.scheduling.health import EngineHealth
 from narwhal.scheduling.lengths import OutputLengths
 from narwhal.scheduling.profiles import get_profile
 from narwhal.upstream.client import EngineClient
+from narwhal.upstream.health import HealthPoller
 from narwhal.web.metrics import Metrics
 
 __all__ = ["LiveRequest", "Router", "RouterState", "RouterStatistics"]
@@ -119,6 +120,10 @@ class Router:
                     prefill_limit=prefill,
                     decode_limit=engine.decode_concurrency or admission.decode_concurrency,
                     forecast=PrefillForecast(get_profile(engine.profile), prefill_limit=prefill),
+                    health=EngineHealth(
+                        failure_threshold=config.monitoring.failure_threshold,
+                        open_s=config.monitoring.breaker_open_s,
+                    ),
                 )
                 for engine in config.engines
                 for prefill in [engine.prefill_concurrency or admission.prefill_concurrency]
@@ -205,21 +210,11 @@ class Router:
             live.scope.cancel()
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Start the dispatcher and the engines' joins in ``nursery``."""
+        """Start the dispatcher and one health poller per engine in ``nursery``."""
         await nursery.start(self.queue.run)
 
-        def join(engine: Engine) -> None:
-            nursery.start_soon(
-                partial(
-                    engine.join,
-                    self.config.serving.model,
-                    retry_interval_s=self.config.monitoring.poll_interval_s,
-                )
-            )
-
         for engine in self.pool:
-            engine.rejoin = join
-            join(engine)
+            nursery.start_soon(HealthPoller.for_engine(engine, self.config).run)
 
     async def aclose(self) -> None:
         """Stop the dispatcher and close every engine's connection pool."""

@@ -11,6 +11,7 @@ import trio
 
 from narwhal.config import AdmissionConfig, ServingConfig
 from narwhal.errors import PredictiveRefusal
+from narwhal.scheduling.health import Failure
 from tests.conftest import MODEL, Fleet, StartFleet
 from tests.support import until
 
@@ -200,8 +201,7 @@ async def test_queued_requests_get_their_503_at_once_when_no_engine_is_eligible(
     await trio.sleep(0.1)
     assert fleet.router.queue.statistics().depth == 3
     engine = fleet.router.pool.engines[0]
-    engine.state = "joining"
-    fleet.router.pool.notify()
+    engine.poll_failed(trio.current_time(), Failure("unhealthy", "/health answered 503"))
     lost_at = trio.current_time()
     with trio.fail_after(1):
         await until(lambda: len(queued) == 3)

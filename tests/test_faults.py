@@ -258,7 +258,8 @@ async def test_an_unreachable_engine_leaves_placement_and_rejoins(
     assert engines["sim-a"]["eligible"] is False
     assert "unreachable" in engines["sim-a"]["reason"]
     fleet.plugs["sim-a"].down = False
-    await trio.sleep(fleet.router.config.monitoring.poll_interval_s * 2)
+    monitoring = fleet.router.config.monitoring
+    await trio.sleep(monitoring.breaker_open_s + monitoring.poll_interval_s)  # the half-open probe
     assert fleet.router.pool.engines[0].eligible
 
 

@@ -30,7 +30,7 @@ def _engine(
         decode_limit=decode_limit,
         forecast=forecast,
     )
-    engine.state = "ready"
+    engine.poll_succeeded(0.0)
     return engine
 
 

@@ -1,33 +1,54 @@
 """The engine pool: each engine's state, occupancy and token accounting, and placement.
 
-An engine becomes eligible once it has *joined*: it answers ``/health``, lists the served model
-in ``/v1/models`` and, where token IDs are wanted, a probe request has shown whether it really
+Pure state, no I/O: an engine's health (:class:`~narwhal.scheduling.health.EngineHealth`) is
+fed by the polls of :mod:`narwhal.upstream.health` and by the requests the exchange makes. An
+engine becomes eligible once it has *joined*: it answers ``/health``, lists the served model in
+``/v1/models`` and, where token IDs are wanted, a probe request has shown whether it really
 returns them (vLLM before 0.10.2 ignores ``return_token_ids``: such an engine is reported
-``token_accounting: unavailable`` instead of failing every request).
+``token_accounting: unavailable`` instead of failing every request). Every change of
+eligibility wakes the dispatcher (:meth:`EnginePool.notify`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import attrs
-import orjson
 import trio
 
 from narwhal.config import EngineConfig
-from narwhal.errors import NarwhalError
 from narwhal.scheduling.forecast import PrefillForecast
-from narwhal.upstream.client import ChunkEvent, DoneEvent, EngineClient, ErrorFrameEvent
+from narwhal.scheduling.health import (
+    Change,
+    EngineHealth,
+    Failure,
+    HealthState,
+    HealthStatistics,
+)
 
-__all__ = ["Engine", "EnginePool", "EngineStatistics", "Slot", "TokenAccounting"]
-
-log = logging.getLogger(__name__)
+__all__ = [
+    "Engine",
+    "EngineConnection",
+    "EnginePool",
+    "EngineStatistics",
+    "Slot",
+    "TokenAccounting",
+]
 
 TokenAccounting = Literal["token_ids", "unavailable"]
-EngineState = Literal["joining", "ready"]
+
+
+class EngineConnection(Protocol):
+    """What the pool knows of an engine's connection pool: that it can be closed.
+
+    The upstream layer owns the real client (:class:`narwhal.upstream.client.EngineClient`);
+    scheduling does not depend on it.
+    """
+
+    async def aclose(self) -> None:
+        """Close every pooled connection."""
 
 
 @attrs.frozen
@@ -38,7 +59,7 @@ class EngineStatistics:
     url: str
     dialect: str
     wave: str
-    state: EngineState
+    state: HealthState
     eligible: bool
     reason: str | None
     token_accounting: TokenAccounting
@@ -49,26 +70,25 @@ class EngineStatistics:
     completed: int
     failed: int
     prefill_scale: float
+    health: HealthStatistics
 
 
 @attrs.define(eq=False)
 class Engine:
-    """One engine: its client, its state and what is running on it."""
+    """One engine: its client, its health and what is running on it."""
 
     config: EngineConfig
-    client: EngineClient
+    client: EngineConnection
     prefill_limit: int
     decode_limit: int
     forecast: PrefillForecast
-    state: EngineState = "joining"
-    reason: str | None = "joining: waiting for /health and /v1/models"
+    health: EngineHealth = attrs.field(factory=EngineHealth)
     token_accounting: TokenAccounting = "unavailable"
     prefill: int = 0
     decode: int = 0
     completed: int = 0
     failed: int = 0
     pool_changed: Callable[[], None] = lambda: None
-    rejoin: Callable[[Engine], None] = lambda engine: None
     slots: dict[Slot, None] = attrs.field(factory=dict)  # placed and not yet released
 
     @property
@@ -79,7 +99,7 @@ class Engine:
     @property
     def eligible(self) -> bool:
         """Whether new requests may be placed here."""
-        return self.state == "ready"
+        return self.health.eligible
 
     @property
     def can_place(self) -> bool:
@@ -95,26 +115,42 @@ class Engine:
         """Whether requests placed here are asked for, and validated by, token IDs."""
         return self.token_accounting == "token_ids"
 
-    def mark_unreachable(self, reason: str) -> None:
-        """No connection could be made: leave placement and probe until the engine is back."""
-        if self.state != "ready":
-            return
-        self.state = "joining"
-        self.reason = f"unreachable: {reason}"
-        log.warning("engine %s left placement: %s", self.name, reason)
-        self.pool_changed()
-        self.rejoin(self)
+    # -- health reports (each wakes the dispatcher when eligibility changes) ----------------------
+
+    def poll_succeeded(self, now: float) -> Change | None:
+        """A poll found the engine healthy (see :meth:`EngineHealth.poll_succeeded`)."""
+        return self._changed(self.health.poll_succeeded(now))
+
+    def poll_failed(self, now: float, failure: Failure) -> Change | None:
+        """A poll failed (see :meth:`EngineHealth.poll_failed`)."""
+        return self._changed(self.health.poll_failed(now, failure))
+
+    def request_answered(self, now: float) -> None:
+        """A request's response headers arrived: the engine is responsive."""
+        self.health.request_answered(now)
+
+    def request_failed(self, now: float, failure: Failure) -> Change | None:
+        """A request met an unresponsive engine (see :meth:`EngineHealth.request_failed`)."""
+        return self._changed(self.health.request_failed(now, failure))
+
+    def _changed(self, change: Change | None) -> Change | None:
+        # Joining or closing may make queued requests placeable; opening may make them
+        # unservable (the dispatcher then refuses them at once).
+        if change in ("joined", "opened", "closed"):
+            self.pool_changed()
+        return change
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot."""
+        health = self.health.statistics(trio.current_time())
         return EngineStatistics(
             name=self.name,
             url=self.config.url,
             dialect=self.config.dialect,
             wave=self.config.wave,
-            state=self.state,
-            eligible=self.eligible,
-            reason=self.reason,
+            state=health.state,
+            eligible=health.eligible,
+            reason=health.reason,
             token_accounting=self.token_accounting,
             prefill=self.prefill,
             decode=self.decode,
@@ -123,65 +159,8 @@ class Engine:
             completed=self.completed,
             failed=self.failed,
             prefill_scale=self.forecast.scale,
+            health=health,
         )
-
-    async def join(self, model: str, *, retry_interval_s: float) -> None:
-        """Probe until the engine serves ``model``; then mark it ready."""
-        while True:
-            try:
-                await self._probe(model)
-            except NarwhalError as exc:
-                self.reason = f"joining: {exc.message}"
-                log.info("engine %s not ready yet: %s", self.name, exc.message)
-                await trio.sleep(retry_interval_s)
-                continue
-            self.state = "ready"
-            self.reason = None
-            self.pool_changed()
-            log.info("engine %s joined (token_accounting=%s)", self.name, self.token_accounting)
-            return
-
-    async def _probe(self, model: str) -> None:
-        await self.client.get_json("/health")
-        listing = await self.client.get_json("/v1/models")
-        served = {
-            entry.get("id") for entry in (listing or {}).get("data", []) if isinstance(entry, dict)
-        }
-        if model not in served:
-            raise _ProbeFailed(f"/v1/models does not list {model!r}")
-        self.token_accounting = (
-            await self._probe_token_ids(model) if self.config.wants_token_ids else "unavailable"
-        )
-
-    async def _probe_token_ids(self, model: str) -> TokenAccounting:
-        body = orjson.dumps(
-            {
-                "model": model,
-                "prompt": "Narwhal token probe",
-                "max_tokens": 2,
-                "stream": True,
-                "return_token_ids": True,
-                "stream_interval": 1,
-            }
-        )
-        saw_output = False
-        async with await self.client.open_stream("completions", body, ids_required=False) as stream:
-            while True:
-                event = await stream.next_event()
-                if isinstance(event, DoneEvent):
-                    break
-                if isinstance(event, ErrorFrameEvent):
-                    raise _ProbeFailed(f"token probe failed: {event.message()}")
-                assert isinstance(event, ChunkEvent)
-                if event.facts.output:
-                    saw_output = True
-                    if not event.facts.has_token_ids:
-                        return "unavailable"
-        return "token_ids" if saw_output else "unavailable"
-
-
-class _ProbeFailed(NarwhalError):
-    pass
 
 
 @attrs.define(eq=False, hash=False)
@@ -289,7 +268,7 @@ class EnginePool:
         return iter(self.engines)
 
     def notify(self) -> None:
-        """Something changed (a slot freed, an engine joined): wake whoever waits for room."""
+        """Something changed (a slot freed, an engine joined or left): wake the dispatcher."""
         self._changed.set()
         self._changed = trio.Event()
 
@@ -312,7 +291,7 @@ class EnginePool:
         """Whether a configured engine is (or is expected to be) able to return token IDs."""
         return any(
             engine.provides_token_ids
-            or (engine.state == "joining" and engine.config.wants_token_ids)
+            or (not engine.health.joined and engine.config.wants_token_ids)
             for engine in self.engines
         )
 

@@ -20,7 +20,6 @@ import trio
 from narwhal.errors import (
     EngineError,
     EngineResponseError,
-    EngineUnreachable,
     UpstreamFailure,
 )
 from narwhal.protocol.chunks import Exposure
@@ -28,6 +27,7 @@ from narwhal.protocol.requests import CompletionRequest
 from narwhal.scheduling.engines import Engine, EnginePool, Slot
 from narwhal.upstream.client import ChunkEvent, ErrorFrameEvent, UpstreamStream
 from narwhal.upstream.dialects import upstream_body
+from narwhal.upstream.health import open_stream, record_failure
 
 __all__ = ["AFTER_COMPLETE_S", "Exchange", "Measurements", "open_exchange"]
 
@@ -228,8 +228,7 @@ async def open_exchange(
                 attempt_slot.release()
                 log.warning("attempt on engine %s failed: %s", engine.name, exc.message)
                 engine.failed += 1
-                if isinstance(exc, EngineUnreachable):
-                    engine.mark_unreachable(exc.message)
+                record_failure(engine, exc)
                 failures.append((engine, exc))
             other = None
             if len(failures) < 2:
@@ -280,8 +279,8 @@ async def _attempt(
     token_ids = engine.provides_token_ids
     body, exposure = upstream_body(request, token_ids=token_ids)
     async with AsyncExitStack() as attempt:
-        stream = await engine.client.open_stream(
-            request.route, body, ids_required=token_ids, headers=headers
+        stream = await open_stream(
+            engine, request.route, body, ids_required=token_ids, headers=headers
         )
         attempt.push_async_callback(_close_stream, stream)
         exchange = Exchange(request, engine, stream, exposure, slot, measurements)

@@ -1,0 +1,323 @@
+"""Engine health over HTTP: the polls and probes around the pure machine.
+
+One :class:`HealthPoller` task per engine runs in the router's nursery. Each poll asks
+``/health`` and ``/v1/models`` under one short cancel scope (``monitoring.poll_timeout_s``),
+never the upstream read timeout, and reports the result to the engine's
+:class:`~narwhal.scheduling.health.EngineHealth`; an engine that has not joined yet is also
+given the token-ID probe. Polls run every ``monitoring.poll_interval_s``; while an engine's
+circuit is open they wait for the end of its cool-down, and the first poll after it is the
+half-open probe.
+
+Requests report here too: :func:`open_stream` tells the engine it answered,
+:func:`record_failure` turns an attempt's failure into a health report when it says the engine
+is unresponsive (no connection, a timeout, a broken connection).
+
+What is logged: an engine that has not joined yet, once, as a warning (so that a router whose
+engines are all unreachable says so on its console); an engine leaving placement, and coming
+back after a warning, as warnings; other changes at ``INFO``. Reasons shown in ``/ready`` carry
+no exception repr and no address; the detail goes to the log at ``DEBUG``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Literal
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from narwhal.config import Config
+from narwhal.errors import EngineRejectedRequest, EngineUnreachable, NarwhalError
+from narwhal.scheduling.engines import Engine, TokenAccounting
+from narwhal.scheduling.health import Change, Failure
+from narwhal.upstream.client import (
+    ChunkEvent,
+    DoneEvent,
+    EngineClient,
+    ErrorFrameEvent,
+    UpstreamStream,
+)
+
+__all__ = ["HealthPoller", "client_of", "open_stream", "record_failure", "transport_failure"]
+
+log = logging.getLogger(__name__)
+
+
+def client_of(engine: Engine) -> EngineClient:
+    """The upstream client of ``engine`` (the pool holds it without knowing its type)."""
+    client = engine.client
+    if not isinstance(client, EngineClient):
+        raise TypeError(f"engine {engine.name} has no upstream client")
+    return client
+
+
+async def open_stream(
+    engine: Engine,
+    route: Literal["chat", "completions"],
+    body: bytes,
+    *,
+    ids_required: bool,
+    headers: Mapping[str, str] | None = None,
+) -> UpstreamStream:
+    """:meth:`EngineClient.open_stream` on ``engine``, telling its health that it answered."""
+    stream = await client_of(engine).open_stream(
+        route, body, ids_required=ids_required, headers=headers
+    )
+    engine.request_answered(trio.current_time())
+    return stream
+
+
+def record_failure(engine: Engine, exc: BaseException) -> None:
+    """An attempt on ``engine`` failed with ``exc``: report it if the engine is unresponsive.
+
+    A connection that could not be made opens the engine's circuit at once; a timeout or a
+    broken connection counts toward ``monitoring.failure_threshold``. Other failures (an error
+    answer, a malformed event) say nothing about the engine's health and are not reported.
+    """
+    failure = transport_failure(exc)
+    if failure is None:
+        return
+    _log_change(engine, engine.request_failed(trio.current_time(), failure))
+
+
+def transport_failure(exc: BaseException) -> Failure | None:
+    """What ``exc`` (a Narwhal or httpx error) says of the engine's transport, if anything."""
+    chain = list(_causes(exc))
+    for cause in chain:
+        if isinstance(cause, httpx.PoolTimeout):
+            return None  # our own pool was full: nothing wrong with the engine
+        if isinstance(cause, httpx.ConnectTimeout):
+            return Failure("connect", "unreachable (connect timed out)")
+        if isinstance(cause, httpx.ConnectError):
+            return Failure("connect", f"unreachable ({_connect_detail(chain)})")
+        if isinstance(cause, httpx.TimeoutException):
+            return Failure("timeout", "timed out")
+        if isinstance(cause, httpx.RemoteProtocolError) and not _says_closed(cause):
+            return Failure("protocol", "malformed HTTP answer")
+        if isinstance(cause, httpx.TransportError):
+            return Failure("disconnect", "connection lost")
+    if isinstance(exc, EngineUnreachable):
+        return Failure("connect", f"unreachable ({_connect_detail(chain)})")
+    return None
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                pending.append(linked)
+
+
+def _says_closed(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "closed" in text or "disconnect" in text
+
+
+def _connect_detail(chain: list[BaseException]) -> str:
+    for cause in chain:
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, socket.gaierror):
+            return "name not resolved"
+        if isinstance(cause, TimeoutError | trio.TooSlowError):
+            return "connect timed out"
+        if "refused" in str(cause).lower():
+            return "connection refused"
+    return "cannot connect"
+
+
+def _log_change(engine: Engine, change: Change | None, *, warned: bool = False) -> None:
+    reason = engine.health.reason(trio.current_time())
+    if change == "opened":
+        log.warning("engine %s left placement: %s", engine.name, reason)
+    elif change == "reopened":
+        log.info("engine %s stays out of placement: %s", engine.name, reason)
+    elif change == "closed":
+        log.warning("engine %s is back in placement (circuit closed)", engine.name)
+    elif change == "joined":
+        log.log(
+            logging.WARNING if warned else logging.INFO,
+            "engine %s joined (token_accounting=%s)",
+            engine.name,
+            engine.token_accounting,
+        )
+
+
+class _PollFailed(Exception):
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.detail)
+        self.failure = failure
+
+
+@attrs.define(eq=False)
+class HealthPoller:
+    """Polls one engine for ever and reports to its health (run it in the router's nursery).
+
+    Args:
+        engine: the engine.
+        model: ``serving.model``, which the engine's ``/v1/models`` must list.
+        interval_s: ``monitoring.poll_interval_s``, from the start of one poll to the next.
+        timeout_s: ``monitoring.poll_timeout_s``, the longest a poll waits.
+        probe_timeout_s: the longest the token-ID probe (a two-token completion) waits.
+    """
+
+    engine: Engine
+    model: str
+    interval_s: float
+    timeout_s: float
+    probe_timeout_s: float
+    _warned: bool = attrs.field(default=False, init=False)
+    _told: str | None = attrs.field(default=None, init=False)
+
+    @classmethod
+    def for_engine(cls, engine: Engine, config: Config) -> HealthPoller:
+        """A poller set up from ``[monitoring]`` and ``[upstream]``."""
+        monitoring = config.monitoring
+        return cls(
+            engine,
+            config.serving.model,
+            interval_s=monitoring.poll_interval_s,
+            timeout_s=monitoring.poll_timeout_s,
+            probe_timeout_s=config.upstream.read_timeout_s,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Poll every ``interval_s``, waiting out open circuits' cool-downs; never returns."""
+        task_status.started()
+        last_start = -math.inf
+        while True:
+            # A report may open the circuit while we sleep: look again after every wake-up.
+            due = max(last_start + self.interval_s, self.engine.health.probe_at() or -math.inf)
+            if trio.current_time() < due:
+                await trio.sleep_until(due)
+                continue
+            last_start = trio.current_time()
+            await self.poll()
+
+    async def poll(self) -> None:
+        """One poll (with the token-ID probe while the engine has not joined), reported."""
+        engine = self.engine
+        failure = await self._check()
+        now = trio.current_time()
+        if failure is not None:
+            change = engine.poll_failed(now, failure)
+            if not engine.health.joined:
+                self._not_joined(failure)
+            else:
+                _log_change(engine, change)
+            return
+        _log_change(engine, engine.poll_succeeded(now), warned=self._warned)
+
+    def _not_joined(self, failure: Failure) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "engine %s has not joined yet: %s; retrying every %g s",
+                self.engine.name,
+                failure.detail,
+                self.interval_s,
+            )
+        elif failure.detail != self._told:
+            log.info("engine %s has not joined yet: %s", self.engine.name, failure.detail)
+        self._told = failure.detail
+
+    async def _check(self) -> Failure | None:
+        try:
+            with trio.move_on_after(self.timeout_s) as polling:
+                await self._poll_routes()
+            if polling.cancelled_caught:
+                return Failure("timeout", f"no answer within {self.timeout_s:g} s")
+            if not self.engine.health.joined:
+                with trio.move_on_after(self.probe_timeout_s) as probing:
+                    await self._probe_token_ids()
+                if probing.cancelled_caught:
+                    return Failure(
+                        "timeout",
+                        f"no answer to the token probe within {self.probe_timeout_s:g} s",
+                    )
+        except _PollFailed as failed:
+            return failed.failure
+        return None
+
+    async def _get(self, path: str) -> bytes:
+        try:
+            response = await client_of(self.engine).http.get(path)
+        except httpx.HTTPError as exc:
+            log.debug("engine %s: GET %s failed: %r", self.engine.name, path, exc)
+            failure = transport_failure(exc) or Failure("protocol", "malformed HTTP answer")
+            raise _PollFailed(failure) from exc
+        if response.status_code != 200:
+            raise _PollFailed(Failure("unhealthy", f"{path} answered {response.status_code}"))
+        return response.content
+
+    async def _poll_routes(self) -> None:
+        await self._get("/health")
+        content = await self._get("/v1/models")
+        try:
+            listing = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            listing = None
+        entries = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(entries, list):
+            raise _PollFailed(Failure("unhealthy", "/v1/models answered no model list"))
+        served = {entry.get("id") for entry in entries if isinstance(entry, dict)}
+        if self.model not in served:
+            raise _PollFailed(Failure("unhealthy", f"/v1/models does not list {self.model!r}"))
+
+    async def _probe_token_ids(self) -> None:
+        engine = self.engine
+        if engine.config.wants_token_ids:
+            engine.token_accounting = await self._token_accounting()
+
+    async def _token_accounting(self) -> TokenAccounting:
+        body = orjson.dumps(
+            {
+                "model": self.model,
+                "prompt": "Narwhal token probe",
+                "max_tokens": 2,
+                "stream": True,
+                "return_token_ids": True,
+                "stream_interval": 1,
+            }
+        )
+        client = client_of(self.engine)
+        saw_output = False
+        try:
+            async with await client.open_stream("completions", body, ids_required=False) as stream:
+                while True:
+                    event = await stream.next_event()
+                    if isinstance(event, DoneEvent):
+                        break
+                    if isinstance(event, ErrorFrameEvent):
+                        log.info(
+                            "engine %s: token probe error: %s", self.engine.name, event.message()
+                        )
+                        raise _PollFailed(Failure("unhealthy", "the token probe got an error"))
+                    assert isinstance(event, ChunkEvent)
+                    if event.facts.output:
+                        saw_output = True
+                        if not event.facts.has_token_ids:
+                            return "unavailable"
+        except EngineRejectedRequest as exc:
+            # The engine refuses the field: it joins, without token accounting.
+            log.info("engine %s refused the token probe: %s", self.engine.name, exc.message)
+            return "unavailable"
+        except NarwhalError as exc:
+            log.debug("engine %s: token probe failed: %r", self.engine.name, exc)
+            failure = transport_failure(exc) or Failure("unhealthy", "the token probe failed")
+            raise _PollFailed(failure) from exc
+        return "token_ids" if saw_output else "unavailable"
