@@ -6,6 +6,7 @@ import logging
 import math
 import socket
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any, cast
 
 import attrs
@@ -468,3 +469,55 @@ async def test_an_engine_that_never_answers_at_start_is_joining_with_the_poll_ti
     assert hole.polls() == [0.0, 1.0, 2.0, 3.0]  # one poll a second, each cut after 1 s
     told = [r.getMessage() for r in caplog.records if "engine-a" in r.getMessage()]
     assert told == ["engine engine-a has not joined yet: no answer within 1 s; retrying every 1 s"]
+
+
+# -- a real black hole: a socket that accepts and never answers --------------------------------
+
+
+@pytest.mark.realtime
+async def test_polls_of_a_real_black_hole_are_cut_and_hold_no_connection(
+    nursery: trio.Nursery,
+) -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    accepted: list[trio.SocketStream] = []
+    open_now: list[int] = []
+
+    async def hold(stream: trio.SocketStream) -> None:
+        accepted.append(stream)
+        try:
+            while await stream.receive_some():  # read the request, never answer
+                pass
+        finally:
+            accepted.remove(stream)
+
+    async def measure() -> None:
+        while True:
+            open_now.append(len(accepted))
+            await trio.sleep(0.05)
+
+    nursery.start_soon(partial(trio.serve_listeners, hold, listeners))
+    nursery.start_soon(measure)
+    port = listeners[0].socket.getsockname()[1]
+    config = Config(
+        serving=ServingConfig(model=MODEL),
+        engines=(
+            EngineConfig(name="hole", url=f"http://127.0.0.1:{port}"),
+            EngineConfig(name="sim", url="http://sim.test"),
+        ),
+        monitoring=MonitoringConfig(poll_interval_s=0.2, poll_timeout_s=0.2),
+    )
+    router = Router(config, transports={"sim": sim()})
+    try:
+        await router.start(nursery)
+        with trio.fail_after(10):
+            await router.wait_ready()
+        deadline = trio.current_time() + 10
+        while router.pool.engines[0].health.statistics(0).failed_polls < 5:
+            assert trio.current_time() < deadline
+            await trio.sleep(0.05)
+        hole, ready = router.statistics().engines
+        assert (hole.eligible, hole.reason) == (False, "joining: no answer within 0.2 s")
+        assert ready.eligible
+        assert max(open_now) <= 2  # each cut poll closed its connection
+    finally:
+        await router.aclose()
