@@ -226,7 +226,12 @@ async def open_exchange(
                 break
             except (EngineError, EngineResponseError) as exc:
                 attempt_slot.release()
-                log.warning("attempt on engine %s failed: %s", engine.name, exc.message)
+                log.warning(
+                    "request %s: attempt on engine %s failed: %s",
+                    (headers or {}).get("x-request-id", "-"),
+                    engine.name,
+                    exc.message,
+                )
                 engine.failed += 1
                 record_failure(engine, exc)
                 failures.append((engine, exc))
