@@ -4,6 +4,15 @@ An :class:`Answer` is dialect-neutral: a list of output tokens (each with an ID,
 kind and the output step that produces it), grouped into the chunks the engine will send, plus the
 finish. :mod:`narwhal.sim._shapes` dresses it in a dialect.
 
+Tool calls: a ``tool_calls`` directive, or a ``tool_choice`` that forces one (``"required"``
+or a named function: one call unless the directive says how many). A forced call opens with a
+``tool_name`` token (the chunk that announces the call's name) and ends with the end-of-sequence
+token, as vLLM's structured-output tool calls do; otherwise (hermes) the name travels with the
+first argument fragment and a ``</tool_call>`` token ends the calls.
+
+Identity: ``id`` and tool-call IDs come from their own generator (``ids``), so that they differ
+per request while the text stays a function of the seed and the body.
+
 Time is counted in the request's output steps, not seconds: step 1 ends the prefill and produces
 token 0, step ``k`` produces token ``k - 1`` (a request with no output still has step 1). The
 engine turns steps into seconds: through a per-request clock, or by waiting for the step loop.
@@ -22,7 +31,7 @@ from narwhal.sim._request import Dialect, SimRequest
 
 __all__ = ["Answer", "Group", "Kind", "Token", "ToolCall", "generate"]
 
-Kind = Literal["reasoning", "content", "refusal", "tool", "tool_end"]
+Kind = Literal["reasoning", "content", "refusal", "tool_name", "tool", "tool_end"]
 
 _TOOL_END_PIECE = "</tool_call>"
 _TOOL_END_ID = 151658
@@ -39,9 +48,10 @@ class Token:
         position: its index in the output (0 is the first output token).
         id: its token ID (>= 0).
         text: its text piece.
-        kind: what it carries; ``tool_end`` closes the tool calls and shows no text.
+        kind: what it carries; ``tool_name`` announces a forced tool call's name (its text),
+            ``tool_end`` closes the tool calls and shows no text.
         step: the output step that produces it (``position + 1``).
-        call: the tool call it belongs to (kind ``tool``), else -1.
+        call: the tool call it belongs to (kinds ``tool_name`` and ``tool``), else -1.
         opens_call: it is the first token of its tool call.
     """
 
@@ -101,7 +111,7 @@ class Group:
 
     @property
     def call(self) -> int:
-        """The tool call of the group (kind ``tool``), else -1."""
+        """The tool call of the group (kinds ``tool_name`` and ``tool``), else -1."""
         return self.tokens[0].call
 
     @property
@@ -210,22 +220,27 @@ _Piece = tuple[str, Kind, int, bool]  # text, kind, tool call, opens the call
 
 
 def _body_pieces(
-    rng: random.Random, request: SimRequest, dialect: Dialect, reasoning: int
+    rng: random.Random, ids: random.Random, request: SimRequest, dialect: Dialect, reasoning: int
 ) -> tuple[list[_Piece], list[ToolCall], int]:
     """The pieces after the reasoning, the tool calls, and the natural length of the answer."""
     directives = request.directives
     chat = request.route == "chat"
-    if chat and directives.tool_calls:
+    forced = request.forced_tools is not None
+    count = directives.tool_calls or (1 if forced else 0)
+    if chat and count:
         calls: list[ToolCall] = []
         pieces: list[_Piece] = []
         names = request.tool_names or (_DEFAULT_TOOL,)
-        for index in range(directives.tool_calls):
-            calls.append(ToolCall(index, _tool_id(rng, dialect), names[index % len(names)]))
+        for index in range(count):
+            name = names[index % len(names)]
+            calls.append(ToolCall(index, _tool_id(ids, dialect), name))
             city, days = rng.choice(_CITIES), rng.randint(1, 7)
+            if forced:
+                pieces.append((name, "tool_name", index, True))
             fragments = ('{"city": "', city, '", "days": ', f"{days}}}")
             for number, fragment in enumerate(fragments):
-                pieces.append((fragment, "tool", index, number == 0))
-        pieces.append((_TOOL_END_PIECE, "tool_end", -1, False))
+                pieces.append((fragment, "tool", index, number == 0 and not forced))
+        pieces.append(("" if forced else _TOOL_END_PIECE, "tool_end", -1, False))
         return pieces, calls, reasoning + len(pieces)
     if chat and directives.refusal is not None:
         refusal = re.findall(r"\s*\S+", directives.refusal) or [directives.refusal]
@@ -238,6 +253,12 @@ def _body_pieces(
     # A completion continues the prompt, so its first word keeps its space (" Paris").
     words = _words(rng, max(0, natural - reasoning), strip_first=chat)
     return [(word, "content", -1, False) for word in words], [], natural
+
+
+def _piece_id(text: str, kind: Kind) -> int:
+    if kind == "tool_end":
+        return _TOOL_END_ID if text == _TOOL_END_PIECE else _text.EOS_TOKEN_ID
+    return _text.token_id(text)
 
 
 def _group(tokens: list[Token], size: int, first_alone: bool) -> list[Group]:
@@ -266,16 +287,19 @@ def generate(
     dialect: Dialect,
     model: str,
     rng: random.Random,
+    ids: random.Random,
     created: int,
 ) -> Answer:
-    """Generate the answer to ``request``: deterministic given ``rng``'s seed.
+    """Generate the answer to ``request``: deterministic given the generators' seeds.
+
+    ``rng`` decides the text, ``ids`` the response and tool-call IDs.
 
     Length: ``output_tokens`` if given (reasoning included), else the reasoning plus a seeded
     8..48 tokens; tool calls and refusals take the tokens they need. ``max_tokens`` cuts the
     answer (finish ``length``).
     """
     directives = request.directives
-    response_id = _response_id(rng, dialect, request)
+    response_id = _response_id(ids, dialect, request)
     prompt_tokens = request.prompt_tokens
     wanted_reasoning = directives.reasoning_tokens if request.route == "chat" else 0
     if directives.output_tokens is not None and not (directives.tool_calls or directives.refusal):
@@ -283,7 +307,7 @@ def generate(
     reasoning_pieces: list[_Piece] = [
         (word, "reasoning", -1, False) for word in _words(rng, wanted_reasoning)
     ]
-    body, calls, natural = _body_pieces(rng, request, dialect, wanted_reasoning)
+    body, calls, natural = _body_pieces(rng, ids, request, dialect, wanted_reasoning)
     pieces = reasoning_pieces + body
     total = natural if request.max_tokens is None else min(natural, request.max_tokens)
     pieces = pieces[:total]
@@ -291,7 +315,7 @@ def generate(
     tokens = [
         Token(
             position=position,
-            id=_TOOL_END_ID if kind == "tool_end" else _text.token_id(text),
+            id=_piece_id(text, kind),
             text=text,
             kind=kind,
             step=position + 1,
@@ -300,10 +324,12 @@ def generate(
         )
         for position, (text, kind, call, opens) in enumerate(pieces)
     ]
-    emitted_calls = {token.call for token in tokens if token.kind == "tool"}
+    emitted_calls = {token.call for token in tokens if token.kind in ("tool_name", "tool")}
 
     if natural > total:
         finish, stop_reason = "length", None
+    elif emitted_calls and request.forced_tools == "named" and dialect != "sglang":
+        finish, stop_reason = "stop", None  # vLLM and OpenAI: a forced named tool ends "stop"
     elif emitted_calls:
         finish, stop_reason = "tool_calls", None
     else:

@@ -20,6 +20,7 @@ __all__ = [
     "Dialect",
     "Directives",
     "Fault",
+    "ForcedTools",
     "Route",
     "SimFailure",
     "SimRequest",
@@ -28,6 +29,7 @@ __all__ = [
 ]
 
 Dialect = Literal["vllm", "sglang", "openai"]
+ForcedTools = Literal["required", "named"]
 Route = Literal["chat", "completions"]
 Fault = Literal[
     "http_500",
@@ -189,7 +191,11 @@ class SimRequest:
             ``logprobs``; None when not asked.
         stop: the stop string reported when the answer ends naturally.
         stream_interval: vLLM's per-request ``stream_interval`` (1 by default).
-        tool_names: function names of the request's tools, in order.
+        tool_names: function names of the request's tools, in order (a named ``tool_choice``:
+            that one name).
+        forced_tools: ``tool_choice`` forces a tool call: ``"required"``, or ``"named"`` for
+            ``{"type": "function", "function": {"name": ...}}``; None for ``auto``, ``none`` or
+            absent (the simulated model then answers in text unless a directive asks).
         prompt_text: the text the prompt is sized from.
         prompt_token_ids: the prompt as the client sent it in IDs, else None.
         directives: the test directives.
@@ -209,6 +215,7 @@ class SimRequest:
     prompt_text: str
     prompt_token_ids: tuple[int, ...] | None
     directives: Directives
+    forced_tools: ForcedTools | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -326,6 +333,27 @@ def _tool_names(body: Mapping[str, Any], dialect: Dialect) -> tuple[str, ...]:
         if isinstance(name, str) and name:
             names.append(name)
     return tuple(names)
+
+
+def _tool_choice(
+    body: Mapping[str, Any], names: tuple[str, ...]
+) -> tuple[ForcedTools | None, tuple[str, ...]]:
+    """Whether ``tool_choice`` forces a call, and the names the calls may use."""
+    choice = body.get("tool_choice")
+    if body.get("tools") is None:
+        return None, names
+    if choice == "required":
+        return "required", names
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in names:
+            raise parameter_error(
+                "tool_choice",
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            )
+        return "named", (name,)
+    return None, names
 
 
 def _logprobs(body: Mapping[str, Any], route: Route) -> int | None:
@@ -450,6 +478,8 @@ def parse_request(
     else:
         want_ids = False
 
+    names = _tool_names(body, dialect) if route == "chat" else ()
+    forced, names = _tool_choice(body, names) if route == "chat" else (None, names)
     return SimRequest(
         route=route,
         stream=stream,
@@ -461,8 +491,9 @@ def parse_request(
         logprobs=_logprobs(body, route),
         stop=_stop(body),
         stream_interval=interval,
-        tool_names=_tool_names(body, dialect) if route == "chat" else (),
+        tool_names=names,
         prompt_text=prompt_text,
         prompt_token_ids=prompt_ids,
         directives=directives,
+        forced_tools=forced,
     )

@@ -164,6 +164,11 @@ def _role_time(answer: Answer, visible: list[Group]) -> int:
 # --- vLLM -------------------------------------------------------------------------------------
 
 
+def _vllm_call_header(answer: Answer, group: Group) -> dict[str, Any]:
+    call = answer.calls[group.call]
+    return {"id": call.id, "type": "function", "index": call.index, "function": {"name": call.name}}
+
+
 def _vllm_delta(answer: Answer, group: Group) -> dict[str, Any]:
     if group.kind == "reasoning":
         return {"reasoning": group.text}
@@ -171,18 +176,17 @@ def _vllm_delta(answer: Answer, group: Group) -> dict[str, Any]:
         return {"refusal": group.text}
     if group.kind == "tool_end":
         return {}
+    if group.kind == "tool_name":
+        # A forced call (tool_choice required or named): the name alone, content null.
+        return {"content": None, "tool_calls": [_vllm_call_header(answer, group)]}
     if group.kind == "tool":
         arguments = {"index": group.call, "function": {"arguments": group.text}}
+        if answer.request.forced_tools is not None:
+            return {"content": None, "tool_calls": [arguments]}
         if not group.opens_call:
             return {"tool_calls": [arguments]}
-        call = answer.calls[group.call]
-        header = {
-            "id": call.id,
-            "type": "function",
-            "index": call.index,
-            "function": {"name": call.name},
-        }
-        return {"content": None, "tool_calls": [header, arguments]}
+        # hermes: the name and the first argument fragment in one delta.
+        return {"content": None, "tool_calls": [_vllm_call_header(answer, group), arguments]}
     return {"content": group.text}
 
 
@@ -292,6 +296,16 @@ def _sglang_delta(**fields: Any) -> dict[str, Any]:
     return delta
 
 
+def _sglang_call_header(answer: Answer, group: Group) -> dict[str, Any]:
+    call = answer.calls[group.call]
+    return {
+        "id": call.id,
+        "index": call.index,
+        "type": "function",
+        "function": {"name": call.name, "arguments": ""},
+    }
+
+
 def _sglang_chat(answer: Answer) -> list[Chunk]:
     request = answer.request
     head = _head(answer, "chat.completion.chunk")
@@ -323,15 +337,11 @@ def _sglang_chat(answer: Answer) -> list[Chunk]:
             delta = _sglang_delta(reasoning_content=group.text)
         elif group.kind == "refusal":
             delta = _sglang_delta(refusal=group.text)
+        elif group.kind == "tool_name":
+            delta = _sglang_delta(tool_calls=[_sglang_call_header(answer, group)])
         elif group.kind == "tool":
             if group.opens_call:
-                call = answer.calls[group.call]
-                header = {
-                    "id": call.id,
-                    "index": call.index,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
+                header = _sglang_call_header(answer, group)
                 opening = chunk(group.step, _sglang_delta(tool_calls=[header]), None)
                 opening.last_position = group.first
                 chunks.append(opening)
@@ -402,6 +412,16 @@ def _sglang_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
 # --- OpenAI -----------------------------------------------------------------------------------
 
 
+def _openai_call_header(answer: Answer, group: Group) -> dict[str, Any]:
+    call = answer.calls[group.call]
+    return {
+        "index": call.index,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": ""},
+    }
+
+
 def _openai_chat(answer: Answer) -> list[Chunk]:
     request = answer.request
     head = {
@@ -425,7 +445,7 @@ def _openai_chat(answer: Answer) -> list[Chunk]:
         return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
 
     refusing = any(g.kind == "refusal" for g in visible)
-    calling = any(g.kind == "tool" for g in visible)
+    calling = any(g.kind in ("tool_name", "tool") for g in visible)
     role_delta: dict[str, Any] = {
         "role": "assistant",
         "content": None if refusing or calling else "",
@@ -433,20 +453,16 @@ def _openai_chat(answer: Answer) -> list[Chunk]:
     }
     chunks = [chunk(_role_time(answer, visible), role_delta, None)]
     for group in visible:
-        if group.kind == "tool":
+        if group.kind == "tool_name":
+            delta: dict[str, Any] = {"tool_calls": [_openai_call_header(answer, group)]}
+        elif group.kind == "tool":
             if group.opens_call:
-                call = answer.calls[group.call]
-                header = {
-                    "index": call.index,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
+                header = _openai_call_header(answer, group)
                 opening = chunk(group.step, {"tool_calls": [header]}, None)
                 opening.last_position = group.first
                 chunks.append(opening)
             fragment = {"index": group.call, "function": {"arguments": group.text}}
-            delta: dict[str, Any] = {"tool_calls": [fragment]}
+            delta = {"tool_calls": [fragment]}
         elif group.kind == "refusal":
             delta = {"refusal": group.text}
         else:
@@ -577,9 +593,12 @@ def _vllm_body(answer: Answer) -> dict[str, Any]:
     ids = answer.ids if request.want_ids else None
     prompt_ids = request.prompt_ids() if request.want_ids else None
     if request.route == "chat":
+        content = _message_text(answer)
+        if content is None and request.forced_tools is not None:
+            content = ""  # vLLM: null when a parser found the calls, "" when they were forced
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": _message_text(answer),
+            "content": content,
             "refusal": answer.text_of("refusal") or None,
             "annotations": None,
             "audio": None,

@@ -51,7 +51,14 @@ about four characters per token; ID prompts count exactly), ``stream``, ``stream
 (completions default to 16, as vLLM and OpenAI do), ``return_token_ids``, ``stream_interval``
 (vLLM: first token alone, then ``k`` tokens a chunk), ``logprobs`` / ``top_logprobs``, ``n``
 (only 1), ``stop`` (a natural end reports the first stop string as ``stop_reason`` /
-``matched_stop``), ``tools`` (names for the tool calls).
+``matched_stop``), ``tools`` (names for the tool calls), ``tool_choice`` (``"required"`` or a
+named function force one tool call in the dialect's shape: for vLLM, the name alone in a first
+delta, then argument deltas with ``content: null``, and the finish ``tool_calls`` for
+``required``, ``stop`` for a named function, as OpenAI; a name that is not among the ``tools``
+is vLLM's 400; ``auto`` answers in text).
+
+Identity: ``created`` is the real time in the shells (the server and the in-process transport);
+:meth:`SimEngine.plan` called directly uses :data:`DEFAULT_CREATED` unless told.
 
 Test directives: a body field ``"narwhal_sim": {...}`` (absent: normal behaviour), merged over the
 engine's own defaults (:meth:`SimEngine.set_directives`). Unknown keys or bad values are a 400
@@ -554,7 +561,11 @@ class SimEngine:
         return self.plan(path, body, created=created)
 
     def plan(self, path: str, body: Mapping[str, Any], *, created: int | None = None) -> SimPlan:
-        """Plan the answer to a completion request (deterministic from the seed and the body).
+        """Plan the answer to a completion request.
+
+        The answer is a function of the seed and the body; its ``id`` and tool-call IDs also
+        depend on the engine's name and on how many requests it has planned, so identical
+        requests get distinct IDs (two engines with the same seed and name share the sequence).
 
         Args:
             path: ``/v1/chat/completions`` or ``/v1/completions`` (others are a 404 plan).
@@ -586,6 +597,8 @@ class SimEngine:
             dialect=self.dialect,
             model=self.model,
             rng=random.Random(_seed_material(self.seed, path, body)),
+            # The IDs differ per request (a real engine's are random), still from the seed.
+            ids=random.Random(f"{self.seed}|{self.name}|{self._requests}"),
             created=DEFAULT_CREATED if created is None else created,
         )
         overridden = directives.ttft_s is not None or directives.itl_s is not None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -202,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.profile, time_scale=args.time_scale, jitter=args.jitter, seed=args.seed
         ),
         seed=args.seed,
+        # Named per process: response IDs derive from the seed and the name, and two engines
+        # behind one router must not share them.
+        name=f"sim-{os.getpid()}",
     )
 
     async def run() -> None:

@@ -10,6 +10,7 @@ socket does through httpx's own transport.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -114,7 +115,7 @@ class SimTransport(httpx.AsyncBaseTransport):
         self._received += 1
         raw = await request.aread()
         path = request.url.path
-        plan = self.engine.respond(request.method, path, raw)
+        plan = self.engine.respond(request.method, path, raw, created=int(time.time()))
         if not plan.completion:
             return httpx.Response(plan.status, headers=plan.headers, content=plan.body)
         self._record(raw, request)

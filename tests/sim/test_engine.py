@@ -26,6 +26,24 @@ def test_the_same_seed_and_body_give_the_same_plan() -> None:
     assert first == again
 
 
+@pytest.mark.parametrize("dialect", ["vllm", "sglang", "openai"])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_identical_requests_get_distinct_ids_and_the_same_answer(dialect: str, path: str) -> None:
+    engine = SimEngine(MODEL, dialect=dialect, seed=3)  # type: ignore[arg-type]
+    body: dict[str, Any] = {"model": MODEL, "stream": True}
+    body.update(
+        {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "x"}
+    )
+    plans = [engine.plan(path, body) for _ in range(3)]
+    ids = [plan_events(plan)[0]["id"] for plan in plans]
+    assert len(set(ids)) == 3
+    for plan, response_id in zip(plans, ids, strict=True):
+        decoded = [e for e in plan_events(plan) if isinstance(e, dict)]
+        assert {e["id"] for e in decoded} == {response_id}  # one id per response
+    texts = [plan.body.replace(i.encode(), b"") for plan, i in zip(plans, ids, strict=True)]
+    assert texts[0] == texts[1] == texts[2]
+
+
 def test_seed_and_body_change_the_answer() -> None:
     body = {"messages": [{"role": "user", "content": "Tell me"}], "stream": True}
     base = text_of(plan_events(SimEngine(MODEL, seed=3).plan(CHAT, body)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -237,3 +238,21 @@ async def test_a_slowdown_stretches_per_request_timing(
         async with client.stream("POST", "/v1/chat/completions", json=request) as response:
             pieces = await timed_pieces(response, start)
     assert [at for at, _ in pieces] == [1.0, 1.0, 1.5, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang", "openai"])
+async def test_ids_are_unique_and_created_is_the_real_time(
+    dialect: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = SimEngine(MODEL, dialect=dialect, timing=EXACT)  # type: ignore[arg-type]
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(transport=SimTransport(engine), base_url="http://s") as http:
+            two = body(narwhal_sim={"output_tokens": 2})
+            before = int(time.time())
+            answers = [(await http.post("/v1/chat/completions", json=two)).json() for _ in range(2)]
+            models = (await http.get("/v1/models")).json()
+            after = int(time.time())
+    assert answers[0]["id"] != answers[1]["id"]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    for created in (answers[0]["created"], answers[1]["created"], models["data"][0]["created"]):
+        assert before <= created <= after
