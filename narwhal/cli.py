@@ -131,12 +131,12 @@ def _serve(argv: list[str]) -> int:
     bind = args.bind or config.serving.bind
     import trio
 
-    from narwhal.server import serve, wait_for_signal
+    from narwhal.server import serve
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             urls = await nursery.start(
-                partial(serve, config, bind=args.bind, shutdown_trigger=wait_for_signal)
+                partial(serve, config, bind=args.bind, handle_signals=True)
             )
             print(f"narwhal: serving {config.serving.model!r} on {', '.join(urls)}", flush=True)
 

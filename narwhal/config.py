@@ -96,6 +96,9 @@ class ServingConfig:
     max_request_bytes: int = attrs.field(default=1_048_576, validator=_positive)
     request_deadline_s: float = attrs.field(default=300.0, validator=_positive)
     tokenizer: str = ""  # path to a local tokenizer.json; empty: estimate from characters
+    # The longest from a connection (or the end of the previous response) to a complete request
+    # head: 408 and close after.
+    header_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     # The longest a client may take to send a whole request body (408 after).
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
 

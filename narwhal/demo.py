@@ -15,7 +15,7 @@ import trio
 
 from narwhal.cli import listen_failure
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig
-from narwhal.server import serve, wait_for_signal
+from narwhal.server import serve
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.timing import profile
 from narwhal.sim.transport import SimTransport
@@ -84,7 +84,7 @@ def run_demo(*, bind: str = "127.0.0.1:8000", time_scale: float = 1.0) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             urls = await nursery.start(
-                partial(serve, config, transports=transports, shutdown_trigger=wait_for_signal)
+                partial(serve, config, transports=transports, handle_signals=True)
             )
             url = urls[0]
             async with httpx.AsyncClient() as client:

@@ -1,37 +1,126 @@
-"""Running the router under Hypercorn's Trio worker, embedded or from the command line."""
+"""Serving the router: the Trio shell around :mod:`narwhal.web.http11`, embedded or from the
+command line, and its graceful shutdown.
+
+The ASGI lifespan and the HTTP stream are Hypercorn's; the listeners, the connections
+(:class:`~narwhal.web.http11.Connections`) and the shutdown are ours. A shutdown (the trigger
+returns, or the first SIGINT/SIGTERM) goes:
+
+1. stop accepting and ``router.begin_drain()``: ``/ready`` is 503, new completion requests get
+   503 ``router_draining``; idle connections close at once, the others after their response,
+   which says ``connection: close``;
+2. running requests may finish until ``control.drain_deadline_s`` (a second signal ends this
+   at once);
+3. ``router.cut_streams()`` ends the rest in-band (an error event and ``data: [DONE]``), and
+   their endings get up to :data:`CUT_GRACE_S` to be written;
+4. whatever connection is still open is aborted, the lifespan shut down, the engines' pools
+   closed.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from functools import partial
 
+import attrs
 import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.utils import repr_socket_addr, wrap_app
+from quart_trio import QuartTrio
 
 from narwhal.config import Config
+from narwhal.router import Router
 from narwhal.web.app import create_app, get_router
+from narwhal.web.http11 import Connections
 
-__all__ = ["hypercorn_config", "serve"]
+__all__ = ["CUT_GRACE_S", "Shutdown", "hypercorn_config", "serve"]
+
+log = logging.getLogger(__name__)
+
+# After cut_streams(): how long the in-band endings may take to be written.
+CUT_GRACE_S = 2.0
+# After the last request ended: how long connections may take to finish their last write.
+CLOSE_GRACE_S = 1.0
 
 
-def hypercorn_config(bind: str, *, drain_deadline_s: float = 30.0) -> HypercornConfig:
-    """Hypercorn settings for a streaming router.
+def hypercorn_config(bind: str) -> HypercornConfig:
+    """Hypercorn settings for a streaming router (sockets, response headers, h11 limits).
+
+    Timeouts are Narwhal's own (``serving.header_timeout_s``, ``serving.body_timeout_s``,
+    ``control.drain_deadline_s``), not Hypercorn's.
 
     Args:
         bind: ``HOST:PORT``.
-        drain_deadline_s: on shutdown, how long running streams may finish.
     """
     settings = HypercornConfig()
     settings.bind = [bind]
     settings.accesslog = None
     # Hypercorn logs through this logger as given: the application's logging setup decides.
     settings.errorlog = logging.getLogger("hypercorn.error")
-    settings.keep_alive_timeout = 75
-    settings.graceful_timeout = drain_deadline_s
     return settings
+
+
+@attrs.define(eq=False)
+class Shutdown:
+    """A shutdown's two requests: begin draining, then (optionally) end the drain at once.
+
+    Attributes:
+        requested: set once a shutdown is asked for.
+        hurried: set once the drain is to end at once.
+    """
+
+    requested: trio.Event = attrs.field(factory=trio.Event)
+    hurried: trio.Event = attrs.field(factory=trio.Event)
+    _drain_scope: trio.CancelScope | None = None
+
+    def request(self) -> None:
+        """Begin the graceful shutdown."""
+        self.requested.set()
+
+    def hurry(self) -> None:
+        """End the drain now (running requests still end in-band)."""
+        self.requested.set()
+        self.hurried.set()
+        if self._drain_scope is not None:
+            self._drain_scope.cancel()
+
+    async def drain(
+        self,
+        router: Router,
+        connections: Connections,
+        *,
+        deadline_s: float,
+        say: Callable[[str], None],
+    ) -> None:
+        """Drain ``router`` and ``connections`` as the module describes; returns when it is
+        time to abort what is left."""
+        router.begin_drain()
+        await connections.drain()
+        running = router.in_flight()
+        say(
+            f"draining: {running} request{'' if running == 1 else 's'} still running; they "
+            f"may finish for {deadline_s:g} s (interrupt again to end them now)"
+            if running
+            else "draining: no request running"
+        )
+        with trio.move_on_after(deadline_s) as self._drain_scope:
+            if self.hurried.is_set():
+                self._drain_scope.cancel()
+            await router.wait_idle()
+        self._drain_scope = None
+        running = router.in_flight()
+        if running:
+            say(f"ending {running} running request{'' if running == 1 else 's'} now")
+            router.cut_streams()
+            with trio.move_on_after(CUT_GRACE_S):
+                await router.wait_idle()
+        with trio.move_on_after(CLOSE_GRACE_S):
+            await connections.wait_closed()
 
 
 async def serve(
@@ -40,38 +129,136 @@ async def serve(
     bind: str | None = None,
     transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    handle_signals: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the router until cancelled (or ``shutdown_trigger`` returns).
+    """Serve the router until cancelled, or until a graceful shutdown ends.
 
-    Embeddable in any Trio program: ``urls = await nursery.start(serve, config)``.
+    Embeddable in any Trio program: ``urls = await nursery.start(serve, config)``. Cancelling
+    it stops at once; a graceful shutdown drains first (module docstring).
 
     Args:
         config: the configuration.
         bind: ``HOST:PORT`` overriding ``serving.bind`` (port 0 picks a free port).
         transports: optional in-process transports by engine name.
-        shutdown_trigger: awaitable that ends serving gracefully when it returns.
+        shutdown_trigger: awaitable that begins a graceful shutdown when it returns.
+        handle_signals: SIGINT and SIGTERM begin a graceful shutdown (the first) and end its
+            drain at once (the second), reporting on standard error (the command line).
         task_status: receives the list of bound URLs once listening.
+
+    Raises:
+        OSError: the address cannot be bound.
     """
     app = create_app(config, transports=transports)
+    router = get_router(app)
+    shutdown = Shutdown()
+    say = _console if handle_signals else log.info
     try:
-        await hypercorn_serve(
-            app,
-            hypercorn_config(
-                bind or config.serving.bind, drain_deadline_s=config.control.drain_deadline_s
-            ),
-            shutdown_trigger=shutdown_trigger,
-            task_status=task_status,
-        )
+        async with trio.open_nursery() as watchers:
+            if handle_signals:
+                await watchers.start(_signals, shutdown, say)
+            if shutdown_trigger is not None:
+                watchers.start_soon(_trigger, shutdown_trigger, shutdown)
+            await _serve(app, config, bind or config.serving.bind, shutdown, say, task_status)
+            watchers.cancel_scope.cancel()
     finally:
-        # Hypercorn skips the lifespan shutdown when it is cancelled: close the engine
-        # connections here too (closing twice is harmless).
+        # A cancelled serve skips the lifespan shutdown: close the engine connections here
+        # too (closing twice is harmless).
         with trio.CancelScope(shield=True):
-            await get_router(app).aclose()
+            await router.aclose()
 
 
-async def wait_for_signal() -> None:
-    """Return on SIGINT or SIGTERM (the command line's shutdown trigger)."""
+async def _serve(
+    app: QuartTrio,
+    config: Config,
+    bind: str,
+    shutdown: Shutdown,
+    say: Callable[[str], None],
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    router = get_router(app)
+    settings = hypercorn_config(bind)
+    asgi = wrap_app(app, settings.wsgi_max_body_size, "asgi")
+    connections = Connections(
+        asgi,
+        settings,
+        header_timeout_s=config.serving.header_timeout_s,
+        on_header_timeout=lambda: router.metrics.count_client_timeout("headers"),
+    )
+    async with trio.open_nursery() as lifespan_nursery:
+        lifespan = Lifespan(asgi, settings, {})
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as handlers:
+            try:
+                async with _listening(settings) as (listeners, urls):
+                    async with trio.open_nursery() as accepting:
+                        accepting.start_soon(
+                            partial(
+                                trio.serve_listeners,
+                                connections.handle,
+                                listeners,
+                                handler_nursery=handlers,
+                            )
+                        )
+                        task_status.started(urls)
+                        await shutdown.requested.wait()
+                        accepting.cancel_scope.cancel()
+                await shutdown.drain(
+                    router, connections, deadline_s=config.control.drain_deadline_s, say=say
+                )
+            finally:
+                connections.abort()
+                handlers.cancel_scope.cancel()
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _listening(
+    settings: HypercornConfig,
+) -> AsyncIterator[tuple[list[trio.SocketListener], list[str]]]:
+    """Listening sockets for ``settings.bind`` and their URLs; closed on exit."""
+    sockets = settings.create_sockets().insecure_sockets
+    listeners: list[trio.SocketListener] = []
+    urls: list[str] = []
+    try:
+        for sock in sockets:
+            sock.listen(settings.backlog)
+            urls.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+            listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        yield listeners, urls
+    finally:
+        with trio.CancelScope(shield=True):
+            for listener in listeners:
+                await listener.aclose()
+        for sock in sockets:
+            sock.close()  # any not yet wrapped; closing twice is harmless
+
+
+async def _trigger(trigger: Callable[[], Awaitable[None]], shutdown: Shutdown) -> None:
+    await trigger()
+    shutdown.request()
+
+
+async def _signals(
+    shutdown: Shutdown,
+    say: Callable[[str], None],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """SIGINT/SIGTERM: the first begins the shutdown, the next ends the drain at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            return
+        task_status.started()
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if not shutdown.requested.is_set():
+                say(f"{name}: shutting down")
+                shutdown.request()
+            elif not shutdown.hurried.is_set():
+                say(f"{name} again: ending the drain now")
+                shutdown.hurry()
+
+
+def _console(message: str) -> None:
+    print(f"narwhal: {message}", file=sys.stderr, flush=True)

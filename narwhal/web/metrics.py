@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -85,6 +85,13 @@ class Metrics:
     def __init__(self, router: Router) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_RouterCollector(router))
+        self.client_timeouts = Counter(
+            "narwhal_client_timeouts",
+            "Clients that did not send a request head (or body) in time",
+            labelnames=["phase"],
+            registry=self.registry,
+        )
+        self.client_timeouts.labels(phase="headers")
         self.ttft = Histogram(
             "narwhal_ttft_seconds",
             "Arrival to first output event",
@@ -110,6 +117,10 @@ class Metrics:
             buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4),
             registry=self.registry,
         )
+
+    def count_client_timeout(self, phase: str) -> None:
+        """One client too slow to send its request (``phase``: ``headers`` or ``body``)."""
+        self.client_timeouts.labels(phase=phase).inc()
 
     def render(self) -> bytes:
         """The text exposition."""

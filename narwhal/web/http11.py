@@ -1,0 +1,555 @@
+"""HTTP/1.1 connections: Hypercorn's h11 protocol under a Trio shell of Narwhal's own.
+
+Hypercorn 0.18.0, its newest release, serves a connection in ways one client can abuse (its
+open issue #203 and relatives): bytes after a request that asked to close make h11 raise "Got
+data when expecting EOF"; the error answer then races the application's own writes and
+shutdown of the socket, a ``trio.BusyResourceError`` escapes the connection and ends the whole
+server. Its framing errors are an empty 400, headers sent a byte at a time are never timed out,
+and a keep-alive connection's idle timer is restarted from the application's task, which
+Quart-Trio cancels, so idle connections are never closed (and hold a shutdown for its whole
+grace period).
+
+Narwhal keeps Hypercorn's HTTP stream (the ASGI side) and h11 itself, and replaces the two
+parts around them:
+
+- :class:`HTTP11Protocol` is Hypercorn's ``H11Protocol`` with the request-reading loop
+  rewritten. Once a request that asked to close is complete, h11 is fed nothing more (RFC 9112
+  section 9.6: no further request is processed), so trailing bytes are dropped rather than
+  raised; an HTTP/1.0 ``POST`` without a length has a body that runs to the end of the
+  connection, passed to the application, which applies ``serving.max_request_bytes`` (413);
+  framing errors are answered with the OpenAI envelope (400, 431, 505) and ``connection:
+  close``; a late request head gets a 408 envelope; while draining, every response says
+  ``connection: close``.
+- :class:`Connection` is the Trio shell of one accepted socket: one task reads, and only it
+  closes the socket (after its last write, under the write lock, lingering briefly when the
+  client may still be sending so the client reads the answer rather than a reset); every
+  request to close from another task is a cancel scope's ``cancel()``, synchronous, so no
+  cancellation can lose it. The request-head clock (``serving.header_timeout_s``) is the
+  deadline of the read. Nothing a connection raises leaves :meth:`Connection.run`.
+- :class:`Connections` is the set of open connections, for the server's shutdown: drain (idle
+  connections close at once, the others after their response) and abort.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import h11
+import orjson
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol.events import Body, Data, EndBody, Response
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
+from hypercorn.trio.task_group import TaskGroup
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import AppWrapper, ConnectionState
+from hypercorn.utils import parse_socket_addr
+
+from narwhal.errors import envelope
+
+__all__ = ["Connection", "ConnectionStatistics", "Connections", "HTTP11Protocol"]
+
+log = logging.getLogger(__name__)
+
+MAX_RECV = 2**16
+# Closing while the client may still be sending: read and drop at most this much, this long,
+# so its kernel does not answer our close with a reset that loses the response.
+LINGER_S = 1.0
+LINGER_BYTES = 1 << 20
+
+VERSIONS = frozenset({b"1.0", b"1.1"})
+# HTTP/1.0 requests of these methods without a length carry a body up to the end of the
+# connection (the old way); other methods have none.
+CLOSE_DELIMITED_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+
+
+def origin_form(target: bytes) -> bytes | None:
+    """The request target as a path (and query), or ``None`` if it is not one we serve.
+
+    RFC 9112 section 3.2: the origin form (``/path?query``) is used as is; the absolute form
+    (``http://host/path``), which a server must accept, becomes its path; ``*`` (``OPTIONS``)
+    is kept, for the application to answer. Anything else, and any byte outside ASCII, is not a
+    target.
+    """
+    if not target.isascii():
+        return None
+    if target.startswith(b"/") or target == b"*":
+        return target
+    scheme, sep, rest = target.partition(b"://")
+    if sep and scheme.lower() in (b"http", b"https") and rest:
+        _, slash, path = rest.partition(b"/")
+        return b"/" + path if slash else b"/"
+    return None
+
+
+def _framing(request: h11.Request) -> bool:
+    """Whether the request's head gives its body a length (or chunks)."""
+    names = {name.lower() for name, _ in request.headers}
+    return b"content-length" in names or b"transfer-encoding" in names
+
+
+class HTTP11Protocol(H11Protocol):
+    """Hypercorn's h11 protocol with Narwhal's reading loop and envelope errors.
+
+    Attributes:
+        input_done: h11 is fed nothing more: the client's last request is complete and it
+            asked to close, or its bytes could not be parsed.
+        close_delimited: the running request's body runs to the end of the connection.
+        body_ended_by_eof: the client's end of the connection ended that body; the connection
+            stays open for the response.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.input_done = False
+        self.close_delimited = False
+        self.body_ended_by_eof = False
+
+    # -- what the connection asks ---------------------------------------------------------------
+
+    def head_begun(self) -> bool:
+        """Part of a request head has arrived, and not the whole of it."""
+        connection = self.connection
+        return (
+            isinstance(connection, h11.Connection)
+            and connection.their_state is h11.IDLE
+            and bool(connection.trailing_data[0])
+        )
+
+    def client_may_be_sending(self) -> bool:
+        """The client may still be sending a request we will not read (closing should linger)."""
+        connection = self.connection
+        if not isinstance(connection, h11.Connection):
+            return False
+        if self.close_delimited:
+            return True
+        return connection.their_state in (h11.SEND_BODY, h11.ERROR) or self.head_begun()
+
+    def answer_pending(self) -> bool:
+        """The client's request is whole and its answer not yet sent: a client that shuts its
+        side now (legal in HTTP/1.1) still gets the whole answer."""
+        connection = self.connection
+        if self.stream is None or not isinstance(connection, h11.Connection):
+            return False
+        complete = connection.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+        return self.body_ended_by_eof or complete
+
+    async def header_timeout(self) -> None:
+        """The next request head is late: answer 408 where one was begun, then close."""
+        if self.head_begun() and self.connection.our_state is h11.IDLE:
+            await self.send_envelope(
+                408,
+                "The request head did not arrive in time.",
+                code="request_header_timeout",
+            )
+        await self.send(Closed())
+
+    # -- Hypercorn's hooks ----------------------------------------------------------------------
+
+    async def handle(self, event: Event) -> None:
+        if isinstance(event, RawData) and self.input_done:
+            await self._after_last_request(event.data)
+        else:
+            await super().handle(event)
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        if (
+            isinstance(event, Response)
+            and event.status_code >= 200
+            and self.context.terminated.is_set()
+        ):
+            # Draining: this response is the connection's last.
+            event = Response(
+                stream_id=event.stream_id,
+                headers=[*event.headers, (b"connection", b"close")],
+                status_code=event.status_code,
+            )
+        await super().stream_send(event)
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        # The router speaks HTTP/1.1 only: an "Upgrade: h2c" header is ignored (RFC 9113
+        # allows it), and HTTP/2 prior knowledge ("PRI * HTTP/2.0") is refused as a version.
+        return None
+
+    async def _handle_events(self) -> None:
+        while True:
+            connection = self.connection
+            if connection.they_are_waiting_for_100_continue:
+                await self._send_h11_event(
+                    h11.InformationalResponse(
+                        status_code=100, headers=self.config.response_headers("h11")
+                    )
+                )
+            if connection.their_state is h11.MUST_CLOSE:
+                # The request that asked to close is complete: h11 would raise on any byte
+                # after it. What follows is a close-delimited body, or dropped.
+                self.input_done = True
+                rest = connection.trailing_data[0]
+                if rest:
+                    await self._after_last_request(rest)
+                break
+            try:
+                event = connection.next_event()
+            except h11.RemoteProtocolError as error:
+                await self._refuse(error.error_status_hint, f"Malformed HTTP request: {error}.")
+                break
+            if isinstance(event, h11.Request):
+                if event.http_version not in VERSIONS:
+                    await self._refuse(505, "Only HTTP/1.0 and HTTP/1.1 are served.")
+                    break
+                target = origin_form(event.target)
+                if target is None:
+                    await self._refuse(400, "Malformed HTTP request: the request target.")
+                    break
+                if target != event.target:
+                    event = h11.Request(
+                        method=event.method,
+                        headers=event.headers,
+                        target=target,
+                        http_version=event.http_version,
+                    )
+                await self.send(Updated(idle=False))
+                self.close_delimited = (
+                    event.http_version == b"1.0"
+                    and event.method in CLOSE_DELIMITED_METHODS
+                    and not _framing(event)
+                )
+                await self._create_stream(event)
+            elif event is h11.PAUSED:
+                await self.can_read.clear()
+                await self.can_read.wait()
+            elif isinstance(event, h11.ConnectionClosed) or event is h11.NEED_DATA:
+                break
+            elif self.stream is None:
+                break
+            elif isinstance(event, h11.Data):
+                await self.stream.handle(Body(stream_id=STREAM_ID, data=event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                if not self.close_delimited:  # h11 saw no length: the body is still to come
+                    await self.stream.handle(EndBody(stream_id=STREAM_ID))
+            elif isinstance(event, Data):  # WebSocket frames pass through
+                await self.stream.handle(event)
+
+    # -- our own --------------------------------------------------------------------------------
+
+    async def _after_last_request(self, data: bytes) -> None:
+        """Bytes after the last request of the connection: a close-delimited body, or nothing."""
+        if not (self.close_delimited and self.stream is not None):
+            return
+        if data:
+            await self.stream.handle(Body(stream_id=STREAM_ID, data=data))
+        else:
+            self.close_delimited = False
+            self.body_ended_by_eof = True
+            await self.stream.handle(EndBody(stream_id=STREAM_ID))
+
+    async def _refuse(self, status: int, message: str) -> None:
+        """Answer a request we cannot read with the envelope where the connection still can,
+        then close. The application's stream, if one runs, sees the client go away."""
+        self.input_done = True
+        if self.connection.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            await self.send_envelope(status, message)
+        await self.send(Closed())
+
+    async def send_envelope(
+        self, status: int, message: str, *, code: str = "invalid_request"
+    ) -> None:
+        """One whole error response with the OpenAI envelope and ``connection: close``."""
+        body = orjson.dumps(envelope(message, "invalid_request_error", code, None))
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            *self.config.response_headers("h11"),
+        ]
+        try:
+            for event in (
+                h11.Response(status_code=status, headers=headers),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
+                await self._send_h11_event(event)
+        except h11.LocalProtocolError:  # e.g. a body for HEAD: the close says enough
+            log.debug("could not send the %d envelope", status)
+
+
+@attrs.frozen
+class ConnectionStatistics:
+    """Open client connections, and how many of them wait for a request head."""
+
+    open: int
+    idle: int
+    header_timeouts: int
+
+
+class Connection:
+    """The Trio shell of one accepted client connection.
+
+    Args:
+        app: the wrapped ASGI application.
+        config: Hypercorn's settings (response headers, h11 limits).
+        context: the worker context shared by every connection; its ``terminated`` event is set
+            while draining.
+        stream: the accepted socket stream.
+        header_timeout_s: longest time to a complete request head, from the connection or from
+            the end of the previous response.
+        on_header_timeout: called for every header timeout counted.
+    """
+
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: HypercornConfig,
+        context: WorkerContext,
+        stream: trio.SocketStream,
+        *,
+        header_timeout_s: float,
+        on_header_timeout: Callable[[], None],
+    ) -> None:
+        self.app = app
+        self.config = config
+        self.context = context
+        self.stream = stream
+        self.header_timeout_s = header_timeout_s
+        self.on_header_timeout = on_header_timeout
+        self.protocol: HTTP11Protocol | None = None
+        self.idle = True  # waiting for a request head
+        self.fresh = True  # no request yet
+        self.head_deadline = trio.current_time() + header_timeout_s
+        self._send_lock = trio.Lock()
+        self._reading = trio.CancelScope()  # cancelled: stop reading, then close
+        self._receiving: trio.CancelScope | None = None
+        self._sending: trio.CancelScope | None = None
+        self._closing: trio.CancelScope | None = None
+        self._aborted = False
+
+    async def run(self) -> None:
+        """Serve the connection until either side closes it; never raises but cancellation."""
+        try:
+            socket = self.stream.socket
+            client = parse_socket_addr(socket.family, socket.getpeername())
+            server = parse_socket_addr(socket.family, socket.getsockname())
+            async with TaskGroup() as task_group:
+                self.protocol = HTTP11Protocol(
+                    self.app,
+                    self.config,
+                    self.context,
+                    task_group,
+                    ConnectionState({}),
+                    False,
+                    client,
+                    server,
+                    self.protocol_send,
+                )
+                await self._read()
+        except* (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away
+        except* Exception as group:
+            log.error("client connection failed; closed", exc_info=group)
+        finally:
+            await self._close()
+
+    # -- called from any task, synchronously ----------------------------------------------------
+
+    def close(self) -> None:
+        """Stop reading: the reading task then closes the socket after the last write."""
+        self._reading.cancel()
+
+    def drain(self) -> None:
+        """Close at once if idle; otherwise the current response is the last (the protocol
+        sends ``connection: close`` once the worker context is terminated)."""
+        if self.idle:
+            self._set_head_deadline(-math.inf)
+
+    def abort(self) -> None:
+        """End the connection now, even inside a write or while lingering."""
+        self._aborted = True
+        self._reading.cancel()
+        for scope in (self._sending, self._closing):
+            if scope is not None:
+                scope.cancel()
+
+    # -- Hypercorn's send callback --------------------------------------------------------------
+
+    async def protocol_send(self, event: Event) -> None:
+        """Where the protocol's bytes, close requests and idle changes arrive."""
+        if isinstance(event, RawData):
+            broken = False
+            async with self._send_lock:
+                # A write is never half done by a cancellation (the framing would break);
+                # abort() cancels this scope itself when the connection must end regardless.
+                with trio.CancelScope(shield=True) as self._sending:
+                    try:
+                        await self.stream.send_all(event.data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        broken = True
+                broken = broken or self._sending.cancelled_caught
+                self._sending = None
+            if broken:
+                self.close()
+        elif isinstance(event, Closed):
+            self.close()
+        elif isinstance(event, Updated):
+            # Synchronous on purpose: the caller may be an application task about to be
+            # cancelled, and this change must not be lost with it.
+            self.idle = event.idle
+            if event.idle:
+                draining = self.context.terminated.is_set()
+                self._set_head_deadline(
+                    -math.inf if draining else trio.current_time() + self.header_timeout_s
+                )
+            else:
+                self.fresh = False
+                self._set_head_deadline(math.inf)
+
+    # -- the reading task -----------------------------------------------------------------------
+
+    def _set_head_deadline(self, deadline: float) -> None:
+        self.head_deadline = deadline
+        if self._receiving is not None:
+            self._receiving.deadline = deadline
+
+    async def _read(self) -> None:
+        assert self.protocol is not None
+        with self._reading:
+            while True:
+                data: bytes | None = None
+                with trio.CancelScope(deadline=self.head_deadline) as receiving:
+                    self._receiving = receiving
+                    try:
+                        data = bytes(await self.stream.receive_some(MAX_RECV))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                    finally:
+                        self._receiving = None
+                if receiving.cancelled_caught:
+                    await self._head_late()
+                    break
+                if data is None:
+                    break
+                await self.protocol.handle(RawData(data))
+                if not data:
+                    if self.protocol.answer_pending():
+                        # The client shut its side after a whole request (or ended a
+                        # close-delimited body so): the answer still goes out, and its end
+                        # closes the connection. A client gone for good shows on the writes.
+                        await trio.sleep_forever()
+                    break
+        await self.protocol.handle(Closed())
+
+    async def _head_late(self) -> None:
+        assert self.protocol is not None
+        if self.context.terminated.is_set():
+            return  # draining: an idle connection closes quietly
+        if self.fresh or self.protocol.head_begun():
+            # An idle keep-alive connection closing is routine; these are client timeouts.
+            self.on_header_timeout()
+            await self.protocol.header_timeout()
+
+    async def _close(self) -> None:
+        """Close the socket after the last write, lingering if the client may still send."""
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(LINGER_S) as self._closing:
+                if self._aborted:
+                    self._closing.cancel()
+                async with self._send_lock:
+                    try:
+                        await self.stream.send_eof()
+                        if self.protocol is not None and self.protocol.client_may_be_sending():
+                            await self._discard_input()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+            self._closing = None
+            await self.stream.aclose()
+
+    async def _discard_input(self) -> None:
+        received = 0
+        while received < LINGER_BYTES:
+            data = await self.stream.receive_some(MAX_RECV)
+            if not data:
+                return
+            received += len(data)
+
+
+class Connections:
+    """Every open client connection of one server, for draining and aborting.
+
+    Args:
+        app: the wrapped ASGI application.
+        config: Hypercorn's settings.
+        header_timeout_s: ``serving.header_timeout_s``.
+        on_header_timeout: called for every header timeout (the metrics hook).
+    """
+
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: HypercornConfig,
+        *,
+        header_timeout_s: float,
+        on_header_timeout: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.app = app
+        self.config = config
+        self.context = WorkerContext(None)
+        self.header_timeout_s = header_timeout_s
+        self._on_header_timeout = on_header_timeout
+        self._open: set[Connection] = set()
+        self._empty = trio.Event()
+        self._empty.set()
+        self._header_timeouts = 0
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """Serve one accepted stream (the handler of :func:`trio.serve_listeners`)."""
+        connection = Connection(
+            self.app,
+            self.config,
+            self.context,
+            stream,
+            header_timeout_s=self.header_timeout_s,
+            on_header_timeout=self._header_timeout,
+        )
+        self._open.add(connection)
+        if self._empty.is_set():
+            self._empty = trio.Event()
+        try:
+            if self.context.terminated.is_set():
+                connection.drain()
+            await connection.run()
+        finally:
+            self._open.discard(connection)
+            if not self._open:
+                self._empty.set()
+
+    async def drain(self) -> None:
+        """Idle connections close now; the others after their current response."""
+        await self.context.terminated.set()
+        for connection in list(self._open):
+            connection.drain()
+
+    def abort(self) -> None:
+        """End every connection now."""
+        for connection in list(self._open):
+            connection.abort()
+
+    async def wait_closed(self) -> None:
+        """Return once no connection is open."""
+        await self._empty.wait()
+
+    def statistics(self) -> ConnectionStatistics:
+        """A frozen snapshot."""
+        return ConnectionStatistics(
+            open=len(self._open),
+            idle=sum(connection.idle for connection in self._open),
+            header_timeouts=self._header_timeouts,
+        )
+
+    def _header_timeout(self) -> None:
+        self._header_timeouts += 1
+        self._on_header_timeout()
