@@ -521,3 +521,22 @@ async def test_polls_of_a_real_black_hole_are_cut_and_hold_no_connection(
         assert max(open_now) <= 2  # each cut poll closed its connection
     finally:
         await router.aclose()
+
+
+async def test_requests_waiting_on_an_engine_whose_circuit_opens_are_retried_at_once(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    hole = faulty(fleet, "sim-a", read_timeout_s=600)
+    await at(10.5)
+    hole.mode = "black_hole"
+    # Placed before anything is known: both engines idle, sim-a first.
+    with trio.fail_after(30):
+        response = await fleet.chat(narwhal_sim={"output_tokens": 2, "ttft_s": 0.01})
+    assert response.status_code == 200
+    assert hole.completions(10.5) == 1
+    # The circuit opened at 14.0 (polls at 11, 12, 13); the attempt was cut then and retried
+    # on sim-b, instead of waiting the 600 s read timeout.
+    assert trio.current_time() == pytest.approx(14.0 + 0.01, abs=0.01)
+    assert fleet.counters()["completed"] == 1
+    fleet.assert_quiescent()

@@ -90,6 +90,9 @@ class Engine:
     failed: int = 0
     pool_changed: Callable[[], None] = lambda: None
     slots: dict[Slot, None] = attrs.field(factory=dict)  # placed and not yet released
+    # Attempts waiting for this engine's response headers: cancelled when its circuit opens,
+    # so that they are retried elsewhere instead of waiting out the read timeout.
+    attempts: set[trio.CancelScope] = attrs.field(factory=set)
 
     @property
     def name(self) -> str:
@@ -138,6 +141,9 @@ class Engine:
         # unservable (the dispatcher then refuses them at once).
         if change in ("joined", "opened", "closed"):
             self.pool_changed()
+        if change == "opened":
+            for attempt in self.attempts:
+                attempt.cancel()
         return change
 
     def statistics(self) -> EngineStatistics:

@@ -283,15 +283,23 @@ async def _attempt(
     engine = slot.engine
     token_ids = engine.provides_token_ids
     body, exposure = upstream_body(request, token_ids=token_ids)
-    async with AsyncExitStack() as attempt:
-        stream = await open_stream(
-            engine, request.route, body, ids_required=token_ids, headers=headers
-        )
-        attempt.push_async_callback(_close_stream, stream)
-        exchange = Exchange(request, engine, stream, exposure, slot, measurements)
-        await exchange.read_until_headers()
-        held.push_async_exit(attempt.pop_all())
-    return exchange
+    # The engine's circuit opening cancels this scope: the attempt fails at once, to be
+    # retried on another engine, instead of waiting out the read timeout.
+    with trio.CancelScope() as unresponsive:
+        engine.attempts.add(unresponsive)
+        try:
+            async with AsyncExitStack() as attempt:
+                stream = await open_stream(
+                    engine, request.route, body, ids_required=token_ids, headers=headers
+                )
+                attempt.push_async_callback(_close_stream, stream)
+                exchange = Exchange(request, engine, stream, exposure, slot, measurements)
+                await exchange.read_until_headers()
+                held.push_async_exit(attempt.pop_all())
+                return exchange
+        finally:
+            engine.attempts.discard(unresponsive)
+    raise EngineError(f"engine {engine.name} stopped answering (its circuit opened)")
 
 
 async def _close_stream(stream: UpstreamStream) -> None:
