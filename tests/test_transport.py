@@ -1,4 +1,5 @@
-"""The engine transport: chunked decoding, keep-alive reuse, early close, errors as httpx's."""
+"""The engine transport: keep-alive reuse, early close, every broken engine answer as httpx's
+error with its pool slot given back."""
 
 from __future__ import annotations
 
@@ -9,31 +10,7 @@ import httpx
 import pytest
 import trio
 
-from narwhal.upstream.transport import ChunkedDecoder, EngineTransport
-
-BODY = b"4\r\nWiki\r\n5;ext=1\r\npedia\r\n0\r\nTrailer: x\r\n\r\n"
-
-
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 1000])
-def test_chunked_decoding_survives_any_split(size: int) -> None:
-    decoder = ChunkedDecoder()
-    out = b""
-    for start in range(0, len(BODY), size):
-        out += decoder.feed(BODY[start : start + size])
-    assert out == b"Wikipedia" and decoder.done and decoder.rest == b""
-
-
-def test_chunked_decoding_without_trailers_and_with_leftovers() -> None:
-    decoder = ChunkedDecoder()
-    assert decoder.feed(b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1") == b"abc"
-    assert decoder.done and decoder.rest == b"HTTP/1.1"
-
-
-@pytest.mark.parametrize("bad", [b"zz\r\n", b"3\r\nabcXY", b"-1\r\n"])
-def test_malformed_chunking_is_an_error(bad: bytes) -> None:
-    with pytest.raises(ValueError):
-        ChunkedDecoder().feed(bad)
-
+from narwhal.upstream.transport import EngineTransport
 
 Handler = Callable[[trio.SocketStream, int], Awaitable[None]]
 
@@ -182,3 +159,175 @@ async def test_errors_are_httpx_errors(nursery: trio.Nursery) -> None:
         async with client("http://127.0.0.1:1") as http:
             with pytest.raises(httpx.ConnectError):
                 await http.get("/")
+
+
+GOOD = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+OK_HEAD = b"HTTP/1.1 200 OK\r\n"
+CHUNKED = OK_HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+
+# Each shape: what a broken engine sends after reading the request, then it closes (or, for
+# "hang", sends nothing more and keeps the connection open).
+BROKEN: dict[str, tuple[bytes, bool, type[httpx.HTTPError]]] = {
+    "garbage status line": (b"garbage\r\n\r\n", False, httpx.RemoteProtocolError),
+    "status not a number": (b"HTTP/1.1 abc OK\r\n\r\n", False, httpx.RemoteProtocolError),
+    "status of four digits": (b"HTTP/1.1 2000 OK\r\n\r\n", False, httpx.RemoteProtocolError),
+    "HTTP/2 status line": (b"HTTP/2 200 OK\r\n\r\n", False, httpx.RemoteProtocolError),
+    "header without colon": (OK_HEAD + b"no colon\r\n\r\n", False, httpx.RemoteProtocolError),
+    "space in header name": (OK_HEAD + b"bad name: x\r\n\r\n", False, httpx.RemoteProtocolError),
+    "content-length abc": (
+        OK_HEAD + b"content-length: abc\r\n\r\nhello",
+        True,
+        httpx.RemoteProtocolError,
+    ),
+    "negative content-length": (
+        OK_HEAD + b"content-length: -5\r\n\r\nhello",
+        True,
+        httpx.RemoteProtocolError,
+    ),
+    "conflicting content-lengths": (
+        OK_HEAD + b"content-length: 5\r\ncontent-length: 6\r\n\r\nhello",
+        True,
+        httpx.RemoteProtocolError,
+    ),
+    "unknown transfer-encoding": (
+        OK_HEAD + b"transfer-encoding: gzip\r\n\r\nhello",
+        True,
+        httpx.RemoteProtocolError,
+    ),
+    "oversized head": (
+        OK_HEAD + b"x-big: " + b"a" * 100_000 + b"\r\n\r\n",
+        True,
+        httpx.RemoteProtocolError,
+    ),
+    "10 MB head line": (OK_HEAD + b"x" * 10_000_000, True, httpx.RemoteProtocolError),
+    "bad chunk size": (CHUNKED + b"zz\r\nhello\r\n", True, httpx.RemoteProtocolError),
+    "0x chunk size": (CHUNKED + b"0x5\r\nhello\r\n", True, httpx.RemoteProtocolError),
+    "negative chunk size": (CHUNKED + b"-5\r\nhello\r\n", True, httpx.RemoteProtocolError),
+    "underscore chunk size": (CHUNKED + b"1_0\r\n", True, httpx.RemoteProtocolError),
+    "chunk without CRLF": (CHUNKED + b"3\r\nabcXY", True, httpx.RemoteProtocolError),
+    "10 MB chunk size line": (CHUNKED + b"1" * 10_000_000, True, httpx.RemoteProtocolError),
+    "10 MB trailers": (
+        CHUNKED + b"0\r\nx-trailer: " + b"a" * 10_000_000,
+        True,
+        httpx.RemoteProtocolError,
+    ),
+    "closed before answering": (b"", False, httpx.RemoteProtocolError),
+    "closed mid-head": (OK_HEAD + b"content-le", False, httpx.RemoteProtocolError),
+    "closed mid-body": (
+        OK_HEAD + b"content-length: 10\r\n\r\nabc",
+        False,
+        httpx.RemoteProtocolError,
+    ),
+    "closed mid-chunk": (CHUNKED + b"5\r\nab", False, httpx.RemoteProtocolError),
+    "closed before last chunk": (CHUNKED + b"2\r\nab\r\n", False, httpx.RemoteProtocolError),
+    "never answers": (b"", True, httpx.ReadTimeout),
+    "head then stalls": (OK_HEAD + b"content-length: 10\r\n\r\nabc", True, httpx.ReadTimeout),
+    "half a head then stalls": (OK_HEAD + b"content-le", True, httpx.ReadTimeout),
+    "chunked then stalls": (CHUNKED + b"2\r\nab\r\n", True, httpx.ReadTimeout),
+}
+
+
+async def broken_then_good(
+    shape: bytes, hang: bool, stream: trio.SocketStream, number: int
+) -> None:
+    """The first connection gets the broken shape; later ones answer well, kept alive."""
+    if number > 1:
+        while await read_request(stream):
+            await stream.send_all(GOOD)
+        return
+    await read_request(stream)
+    if shape:
+        await stream.send_all(shape)
+    if hang:
+        await trio.sleep_forever()
+    await stream.aclose()
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("name", list(BROKEN))
+async def test_a_broken_answer_is_an_httpx_error_and_gives_its_slot_back(
+    nursery: trio.Nursery, name: str
+) -> None:
+    shape, hang, error = BROKEN[name]
+    url, connections = await serve(nursery, partial(broken_then_good, shape, hang))
+    timeout = httpx.Timeout(connect=2.0, read=0.3, write=2.0, pool=0.5)
+    transport = EngineTransport(max_connections=1, timeout=timeout)
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(base_url=url, transport=transport) as http:
+            with pytest.raises(error):
+                await http.post("/v1/chat/completions", content=b"{}")
+            # the one slot is free again (a leak would be a PoolTimeout), and the broken
+            # connection was not pooled
+            for _ in range(3):
+                response = await http.post("/v1/chat/completions", content=b"{}")
+                assert response.status_code == 200 and response.content == b"ok"
+    assert len(connections) == 2
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("name", ["content-length abc", "bad chunk size", "closed mid-chunk"])
+async def test_a_broken_stream_read_by_hand_gives_its_slot_back(
+    nursery: trio.Nursery, name: str
+) -> None:
+    shape, hang, error = BROKEN[name]
+    url, _ = await serve(nursery, partial(broken_then_good, shape, hang))
+    timeout = httpx.Timeout(connect=2.0, read=0.3, write=2.0, pool=0.5)
+    transport = EngineTransport(max_connections=1, timeout=timeout)
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(base_url=url, transport=transport) as http:
+            with pytest.raises(error):
+                async with http.stream("POST", "/x", content=b"{}") as response:
+                    async for _ in response.aiter_raw():
+                        pass
+            assert (await http.get("/good")).content == b"ok"
+
+
+@pytest.mark.realtime
+async def test_a_cancelled_read_gives_its_slot_back(nursery: trio.Nursery) -> None:
+    url, connections = await serve(
+        nursery, partial(broken_then_good, CHUNKED + b"2\r\nab\r\n", True)
+    )
+    timeout = httpx.Timeout(connect=2.0, read=5.0, write=2.0, pool=0.5)
+    transport = EngineTransport(max_connections=1, timeout=timeout)
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(base_url=url, transport=transport) as http:
+            with trio.move_on_after(0.2) as scope:
+                await http.post("/x", content=b"{}")
+            assert scope.cancelled_caught
+            assert (await http.get("/good")).content == b"ok"
+    assert len(connections) == 2
+
+
+@pytest.mark.realtime
+async def test_answers_that_are_well_formed_if_unusual(nursery: trio.Nursery) -> None:
+    answers = {
+        b"/http10": b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: x\n\n",
+        b"/continue": b"HTTP/1.1 100 Continue\r\n\r\n" + GOOD,
+        b"/lf-only": b"HTTP/1.1 200 OK\ncontent-length: 2\n\nok",
+        b"/extensions": CHUNKED + b"2;name=value \r\nok\r\n0\r\n\r\n",
+        b"/trailers": CHUNKED + b"2\r\nok\r\n0\r\nx-t: 1\r\nx-u: 2\r\n\r\n",
+        b"/duplicate-equal-lengths": OK_HEAD + b"content-length: 2\r\ncontent-length: 2\r\n\r\nok",
+        b"/leftover": OK_HEAD + b"content-length: 2\r\n\r\nokEXTRA",
+        b"/no-content": b"HTTP/1.1 204 No Content\r\n\r\n",
+    }
+
+    async def server(stream: trio.SocketStream, number: int) -> None:
+        while head := await read_request(stream):
+            target = head.split(b" ")[1]
+            await stream.send_all(answers[target])
+            if target in (b"/http10", b"/leftover"):
+                await stream.aclose()
+                return
+
+    url, connections = await serve(nursery, server)
+    with trio.fail_after(10):
+        async with client(url) as http:
+            for target in answers:
+                response = await http.get(target.decode())
+                expected = b"data: x\n\n" if target == b"/http10" else b"ok"
+                if target == b"/no-content":
+                    assert response.status_code == 204 and response.content == b""
+                else:
+                    assert response.content == expected, target
+    # the HTTP/1.0 answer and the one with bytes after its end were not pooled
+    assert len(connections) == 3

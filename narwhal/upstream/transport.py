@@ -4,45 +4,63 @@ Narwhal talks to each engine through one ``httpx.AsyncClient``; this is the tran
 httpx's default transport (httpcore) is general and correct, but a relay pays for that
 generality on every request and every token: its pool walks every connection it holds (and
 polls each idle socket) whenever a request starts or ends, and each chunk of a streamed body
-climbs through several generator layers and h11's parser. Measured on the overhead benchmark
-(``narwhal bench overhead``), that was the largest part of the router's CPU per request.
+climbs through several generator layers and h11's event machinery. Measured on the overhead
+benchmark (``narwhal bench overhead``), that was the largest part of the router's CPU per
+request.
 
 This transport does only what engines need, over Trio sockets:
 
 * a last-in-first-out pool of keep-alive connections (the most recently used, warmest
   connection is reused; only the connection taken is checked for a close by the peer);
-* the request head written in one ``send_all`` with its body;
-* the response head parsed by hand (status line and headers), the body framed by
-  ``Content-Length``, ``Transfer-Encoding: chunked`` or the end of the connection, and a chunked
-  body decoded in place: one network read yields everything it completed, however many engine
-  events that is;
-* timeouts from ``httpx.Timeout`` (connect, read gap, pool) and errors translated to httpx's
-  exception tree, so callers see plain httpx.
+* the request written in one ``send_all``;
+* the response head parsed by `h11`_, which rejects every malformed head (a bad
+  status line or header, a bad, conflicting or negative ``Content-Length``, an unknown
+  ``Transfer-Encoding``, a head over 64 KiB) and decides the framing;
+* the body framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the end of the
+  connection (HTTP/1.0), a chunked body decoded in place by a strict decoder (a size line is
+  1 to 16 hex digits, at most 1 KiB with its extensions): one network read yields everything
+  it completed, however many engine events that is (h11 would make each chunk an event of
+  its own, which on a token stream more than doubles the transport's CPU);
+* timeouts from ``httpx.Timeout`` (connect, read gap, pool) and every failure translated to
+  httpx's exception tree (an engine that breaks HTTP/1.1 in any way is one
+  :class:`httpx.RemoteProtocolError`), so callers see plain httpx.
 
-A connection goes back to the pool only when its body was read to the end; a body closed early
-(a client went away, a deadline passed) closes its connection, which is how the engine learns
-to stop generating.
+Each request's pool slot and connection are held by one :class:`_Lease`, the only code that
+gives them back: when the body is read to its end, when it is closed early, and on any error or
+cancellation on the way. A connection goes back to the pool only when its body was read to the
+end and both sides may go on; a body closed early (a client went away, a deadline passed)
+closes its connection, which is how the engine learns to stop generating.
+
+.. _h11: https://h11.readthedocs.io/
 """
 
 from __future__ import annotations
 
 import math
+import re
 
+import h11
 import httpx
 import trio
 
 __all__ = ["ChunkedDecoder", "EngineTransport"]
 
-_MAX_HEAD_BYTES = 65536
+_MAX_HEAD_BYTES = 65536  # a response head (or a chunked body's trailers) longer is an error
+_MAX_CHUNK_LINE = 1024  # a chunk's size line, extensions included
 _READ_SIZE = 65536
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[^\r\n]*)?[ \t]*")
 
 
 class _Connection:
-    __slots__ = ("buffer", "stream")
+    """A socket, with the bytes received past the end of the last response head."""
+
+    __slots__ = ("buffer", "received", "stream")
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.buffer = b""
+        self.received = False  # whether any byte of the current response has arrived
 
     def peer_closed(self) -> bool:
         """An idle connection with something to read has been closed (or broken) by the peer."""
@@ -50,6 +68,27 @@ class _Connection:
             return bool(self.stream.socket.is_readable())
         except OSError:
             return True
+
+    async def receive(self, read_s: float, request: httpx.Request) -> bytes:
+        """One network read; empty when the peer has closed.
+
+        Raises:
+            httpx.ReadTimeout: nothing arrived within ``read_s``.
+            httpx.ReadError: the connection broke.
+        """
+        # A bare cancel scope: this runs once per network read, and fail_after's context-manager
+        # wrapper costs more than the scope itself.
+        scope = trio.CancelScope(deadline=trio.current_time() + read_s)
+        try:
+            with scope:
+                data = await self.stream.receive_some(_READ_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise httpx.ReadError(f"the connection broke: {exc!r}", request=request) from exc
+        if scope.cancelled_caught:
+            raise httpx.ReadTimeout("the engine sent nothing in time", request=request)
+        if data:
+            self.received = True
+        return data
 
     async def close(self) -> None:
         with trio.CancelScope(shield=True):
@@ -89,41 +128,42 @@ class EngineTransport(httpx.AsyncBaseTransport):
             await self._slots.acquire()
         if waiting.cancelled_caught:
             raise httpx.PoolTimeout("no free connection to the engine", request=request)
+        lease = _Lease(self)
         try:
-            connection, status, headers = await self._exchange(request, payload)
+            head = await self._exchange(lease, request, payload)
+            body = _Body(lease, request, self._read_s, head)
         except BaseException:
-            self._slots.release()
+            await lease.end(reuse=False)
             raise
-        body = _Body(self, connection, request, headers)
         return httpx.Response(
-            status,
-            headers=headers,
+            head.status_code,
+            headers=head.headers.raw_items(),
             stream=body,
             request=request,
-            extensions={"http_version": b"HTTP/1.1"},
+            extensions={"http_version": b"HTTP/" + head.http_version},
         )
 
     async def _exchange(
-        self, request: httpx.Request, payload: bytes
-    ) -> tuple[_Connection, int, list[tuple[bytes, bytes]]]:
-        # A reused connection may have been closed by the engine while idle; such a request
-        # is sent again, once, on a new connection.
+        self, lease: _Lease, request: httpx.Request, payload: bytes
+    ) -> h11.Response:
+        # A reused connection may have been closed by the engine while idle; a request whose
+        # answer had not begun on one is sent again, once, on a new connection.
         while self._idle:
             connection = self._idle.pop()
             if connection.peer_closed():
                 await connection.close()
                 continue
+            lease.connection = connection
             try:
                 return await self._send(connection, request, payload)
             except (httpx.RemoteProtocolError, httpx.WriteError, httpx.ReadError):
-                await connection.close()
-                break
-        connection = await self._connect(request)
-        try:
-            return await self._send(connection, request, payload)
-        except BaseException:
+                if connection.received:
+                    raise
+            lease.connection = None
             await connection.close()
-            raise
+            break
+        lease.connection = await self._connect(request)
+        return await self._send(lease.connection, request, payload)
 
     async def _connect(self, request: httpx.Request) -> _Connection:
         url = request.url
@@ -139,84 +179,110 @@ class EngineTransport(httpx.AsyncBaseTransport):
 
     async def _send(
         self, connection: _Connection, request: httpx.Request, payload: bytes
-    ) -> tuple[_Connection, int, list[tuple[bytes, bytes]]]:
+    ) -> h11.Response:
+        # h11 reads the response head; the body is left in the connection's buffer for _Body.
+        # It is told of the request through a stand-in of the same method (which is all that
+        # the response's framing depends on): cheaper than having it write the request.
+        parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        parser.send(_stand_in(request.method))
+        connection.received = False
         try:
             await connection.stream.send_all(payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise httpx.WriteError(str(exc), request=request) from exc
+            raise httpx.WriteError(f"the connection broke: {exc!r}", request=request) from exc
+        fed = 0
         while True:
-            end = connection.buffer.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(connection.buffer) > _MAX_HEAD_BYTES:
-                raise httpx.RemoteProtocolError("response head too large", request=request)
-            await self._receive(connection, request)
-        head, connection.buffer = connection.buffer[:end], connection.buffer[end + 4 :]
-        status, headers = _parse_head(head, request)
-        return connection, status, headers
-
-    async def _receive(self, connection: _Connection, request: httpx.Request) -> bytes:
-        # A bare cancel scope: this runs once per network read, and fail_after's context-manager
-        # wrapper costs more than the scope itself.
-        scope = trio.CancelScope(deadline=trio.current_time() + self._read_s)
-        try:
-            with scope:
-                data = await connection.stream.receive_some(_READ_SIZE)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise httpx.ReadError(str(exc), request=request) from exc
-        if scope.cancelled_caught:
-            raise httpx.ReadTimeout("the engine sent nothing in time", request=request)
-        if not data:
-            raise httpx.RemoteProtocolError(
-                "the engine closed the connection mid-response", request=request
-            )
-        connection.buffer += data
-        return data
-
-    def _reuse(self, connection: _Connection) -> None:
-        if self._closed:
-            trio.lowlevel.spawn_system_task(connection.close)
-        else:
-            self._idle.append(connection)
+            try:
+                event = parser.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise httpx.RemoteProtocolError(
+                    f"the engine sent a malformed response head: {exc}", request=request
+                ) from exc
+            if event is h11.NEED_DATA:
+                data = await connection.receive(self._read_s, request)
+                fed += len(data)
+                parser.receive_data(data)
+            elif type(event) is h11.Response:
+                connection.buffer = parser.trailing_data[0]
+                # h11 bounds a head still incomplete; one that arrived whole is bounded here
+                if fed - len(connection.buffer) > _MAX_HEAD_BYTES:
+                    raise httpx.RemoteProtocolError(
+                        "the engine sent a response head over 64 KiB", request=request
+                    )
+                return event
+            elif type(event) is not h11.InformationalResponse:
+                raise httpx.RemoteProtocolError(
+                    "the engine closed the connection before answering", request=request
+                )
 
 
 def _seconds(value: float | None) -> float:
     return math.inf if value is None else value
 
 
+_STAND_INS: dict[str, h11.Request] = {}
+
+
+def _stand_in(method: str) -> h11.Request:
+    """A bodiless request of ``method``, to put an h11 client connection where it reads a
+    response."""
+    request = _STAND_INS.get(method)
+    if request is None:
+        request = h11.Request(method=method, target="/", headers=[("Host", "engine")])
+        _STAND_INS[method] = request
+    return request
+
+
 def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
+    """The request head and body, framed by ``Content-Length``.
+
+    Raises:
+        httpx.LocalProtocolError: a header name or value holds a line break.
+    """
     url = request.url
-    target = url.raw_path
-    lines = [request.method.encode("ascii") + b" " + target + b" HTTP/1.1"]
-    seen_length = False
+    lines = [request.method.encode("ascii") + b" " + url.raw_path + b" HTTP/1.1"]
     for name, value in request.headers.raw:
         lowered = name.lower()
-        if lowered in (b"content-length", b"transfer-encoding"):
-            seen_length = seen_length or lowered == b"content-length"
-            if lowered == b"transfer-encoding":
-                continue
+        if lowered == b"content-length" or lowered == b"transfer-encoding":
+            continue
+        if b"\r" in value or b"\n" in value or b"\r" in name or b"\n" in name:
+            raise httpx.LocalProtocolError(f"a line break in header {name!r}", request=request)
         lines.append(name + b": " + value)
-    if not seen_length and (body or request.method in ("POST", "PUT", "PATCH")):
+    if body or request.method in ("POST", "PUT", "PATCH"):
         lines.append(b"Content-Length: " + str(len(body)).encode("ascii"))
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-def _parse_head(head: bytes, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]]]:
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise httpx.RemoteProtocolError(f"malformed status line {lines[0]!r}", request=request)
-    headers: list[tuple[bytes, bytes]] = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            raise httpx.RemoteProtocolError(f"malformed header line {line!r}", request=request)
-        headers.append((name.strip(), value.strip()))
-    return int(parts[1]), headers
+class _Lease:
+    """One request's pool slot and the connection it uses; :meth:`end` gives both back, once."""
+
+    __slots__ = ("connection", "held", "transport")
+
+    def __init__(self, transport: EngineTransport) -> None:
+        self.transport = transport
+        self.connection: _Connection | None = None
+        self.held = True
+
+    async def end(self, *, reuse: bool) -> None:
+        """Give the slot back; pool the connection if ``reuse`` (and the pool is open), else
+        close it. Later calls do nothing."""
+        if not self.held:
+            return
+        self.held = False
+        connection, self.connection = self.connection, None
+        transport = self.transport
+        try:
+            if connection is not None:
+                if reuse and not transport._closed:
+                    transport._idle.append(connection)
+                else:
+                    await connection.close()
+        finally:
+            transport._slots.release()
 
 
 class ChunkedDecoder:
-    """Incremental ``Transfer-Encoding: chunked`` decoding (pure).
+    """Incremental, strict ``Transfer-Encoding: chunked`` decoding (pure).
 
     ``feed`` returns the payload bytes that the data completes, possibly several chunks' worth
     at once; ``done`` turns true after the last chunk and its trailers; ``rest`` holds bytes
@@ -241,7 +307,7 @@ class ChunkedDecoder:
         """Add received bytes; return the payload they complete.
 
         Raises:
-            ValueError: the framing is malformed.
+            ValueError: the framing is malformed, or a size line or the trailers are too long.
         """
         buffer = self._buffer + data if self._buffer else data
         size = len(buffer)
@@ -258,31 +324,35 @@ class ChunkedDecoder:
             elif self._crlf:
                 skip = min(self._crlf, size - position)
                 if buffer[position : position + skip] != b"\r\n"[2 - self._crlf :][:skip]:
-                    raise ValueError("chunk not followed by CRLF")
+                    raise ValueError("a chunk is not followed by CRLF")
                 position += skip
                 self._crlf -= skip
             elif self._trailers:
-                if size - position < 2:
-                    break
-                if buffer[position : position + 2] == b"\r\n":
+                if buffer.startswith(b"\r\n", position):
                     position += 2
                     self.done = True
                     break
                 end = buffer.find(b"\r\n\r\n", position)
                 if end < 0:
+                    if size - position > _MAX_HEAD_BYTES:
+                        raise ValueError("the trailers are too long")
                     break
                 position = end + 4
                 self.done = True
             else:
-                end = buffer.find(b"\r\n", position)
+                end = buffer.find(b"\r\n", position, position + _MAX_CHUNK_LINE)
                 if end < 0:
-                    if size - position > 1024:
-                        raise ValueError("chunk size line too long")
+                    if size - position >= _MAX_CHUNK_LINE:
+                        raise ValueError("a chunk size line is too long")
                     break
-                text = buffer[position:end].split(b";", 1)[0].strip()
-                chunk = int(text, 16)
-                if chunk < 0:
-                    raise ValueError(f"negative chunk size {text!r}")
+                text = buffer[position:end]
+                if text and len(text) <= 16 and not text.translate(None, _HEX_DIGITS):
+                    chunk = int(text, 16)  # the common line: the size alone
+                else:
+                    line = _CHUNK_SIZE.fullmatch(text)
+                    if line is None:
+                        raise ValueError(f"a malformed chunk size line {text[:64]!r}")
+                    chunk = int(line[1], 16)
                 position = end + 2
                 if chunk:
                     self._left = chunk
@@ -295,88 +365,94 @@ class ChunkedDecoder:
 
 
 class _Body(httpx.AsyncByteStream):
-    """A response body, decoded as it arrives; the connection is reused only when it ends."""
+    """A response body, decoded as it arrives; its lease ends when it does."""
+
+    __slots__ = ("_chunked", "_keep_alive", "_lease", "_read_s", "_remaining", "_request")
 
     def __init__(
-        self,
-        transport: EngineTransport,
-        connection: _Connection,
-        request: httpx.Request,
-        headers: list[tuple[bytes, bytes]],
+        self, lease: _Lease, request: httpx.Request, read_s: float, head: h11.Response
     ) -> None:
-        self._transport = transport
-        self._connection: _Connection | None = connection
+        self._lease = lease
         self._request = request
+        self._read_s = read_s
         self._chunked: ChunkedDecoder | None = None
         self._remaining: int | None = None  # None: until the connection closes
-        keep_alive = True
-        for name, value in headers:
-            lowered = name.lower()
-            if lowered == b"transfer-encoding" and b"chunked" in value.lower():
+        # h11 has validated the head: at most one Transfer-Encoding, and it is chunked; one
+        # Content-Length, of digits; names lower-cased.
+        keep_alive = head.http_version == b"1.1"
+        length: int | None = None
+        for name, value in head.headers:
+            if name == b"transfer-encoding":
                 self._chunked = ChunkedDecoder()
-            elif lowered == b"content-length":
-                self._remaining = int(value)
-            elif lowered == b"connection" and b"close" in value.lower():
+            elif name == b"content-length":
+                length = int(value)
+            elif name == b"connection" and b"close" in value.lower():
                 keep_alive = False
+        if head.status_code in (204, 304) or request.method == "HEAD":
+            self._chunked, self._remaining = None, 0  # no body, whatever the head says
+        elif self._chunked is None:
+            self._remaining = length
+        elif length is not None:
+            keep_alive = False  # chunked wins over Content-Length; the connection is not reused
         self._keep_alive = keep_alive and (self._chunked is not None or self._remaining is not None)
-        self._done = self._chunked is None and self._remaining == 0
 
     def __aiter__(self) -> _Body:
         return self
 
     async def __anext__(self) -> bytes:
-        while True:
-            connection = self._connection
-            if connection is None:
+        connection = self._lease.connection
+        if connection is None:
+            raise StopAsyncIteration
+        try:
+            data, ended = await self._next(connection)
+        except BaseException:
+            await self._lease.end(reuse=False)
+            raise
+        if ended:
+            await self._lease.end(reuse=self._keep_alive and not connection.buffer)
+            if not data:
                 raise StopAsyncIteration
-            data = self._take(connection)
-            if self._done:
-                await self._finish()
-            if data:
-                return data
-            if self._done:
-                raise StopAsyncIteration
-            try:
-                await self._transport._receive(connection, self._request)
-            except httpx.RemoteProtocolError:
-                if self._chunked is None and self._remaining is None:
-                    self._done = True  # a read-until-close body: the end of the connection
-                    continue
-                raise
-
-    def _take(self, connection: _Connection) -> bytes:
-        buffer, connection.buffer = connection.buffer, b""
-        if self._chunked is not None:
-            try:
-                data = self._chunked.feed(buffer)
-            except ValueError as exc:
-                raise httpx.RemoteProtocolError(str(exc), request=self._request) from exc
-            if self._chunked.done:
-                self._done = True
-                connection.buffer = self._chunked.rest
-            return data
-        if self._remaining is None:
-            return buffer
-        data = buffer[: self._remaining]
-        connection.buffer = buffer[self._remaining :]
-        self._remaining -= len(data)
-        if self._remaining == 0:
-            self._done = True
         return data
 
-    async def _finish(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        self._transport._slots.release()
-        if self._keep_alive and not connection.buffer:
-            self._transport._reuse(connection)
-        else:
-            await connection.close()
+    async def _next(self, connection: _Connection) -> tuple[bytes, bool]:
+        """The payload the received bytes complete (a read only when they complete nothing),
+        and whether the body has ended."""
+        data, connection.buffer = connection.buffer, b""
+        while True:
+            if data:
+                out, ended = self._decode(data, connection)
+                if out or ended:
+                    return out, ended
+            elif self._remaining == 0:
+                return b"", True
+            data = await connection.receive(self._read_s, self._request)
+            if not data:
+                if self._chunked is None and self._remaining is None:
+                    return b"", True  # a body delimited by the end of the connection
+                raise httpx.RemoteProtocolError(
+                    "the engine closed the connection mid-response", request=self._request
+                )
+
+    def _decode(self, data: bytes, connection: _Connection) -> tuple[bytes, bool]:
+        chunked = self._chunked
+        if chunked is not None:
+            try:
+                out = chunked.feed(data)
+            except ValueError as exc:
+                raise httpx.RemoteProtocolError(
+                    f"the engine broke chunked framing: {exc}", request=self._request
+                ) from exc
+            if chunked.done:
+                connection.buffer = chunked.rest
+                return out, True
+            return out, False
+        remaining = self._remaining
+        if remaining is None:
+            return data, False
+        out = data[:remaining]
+        connection.buffer = data[remaining:]
+        self._remaining = remaining = remaining - len(out)
+        return out, remaining == 0
 
     async def aclose(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        self._transport._slots.release()
-        await connection.close()
+        await self._lease.end(reuse=False)
