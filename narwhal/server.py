@@ -5,15 +5,17 @@ The ASGI lifespan and the HTTP stream are Hypercorn's; the listeners, the connec
 (:class:`~narwhal.web.http11.Connections`) and the shutdown are ours. A shutdown (the trigger
 returns, or the first SIGINT/SIGTERM) goes:
 
-1. stop accepting and ``router.begin_drain()``: ``/ready`` is 503, new completion requests get
-   503 ``router_draining``; idle connections close at once, the others after their response,
-   which says ``connection: close``;
+1. ``router.begin_drain()``: ``/ready`` is 503, new completion requests get 503
+   ``router_draining`` (connections are still accepted, so clients read that rather than a
+   refused connection); idle keep-alive connections close at once, the others after their
+   next response, which says ``connection: close``;
 2. running requests may finish until ``control.drain_deadline_s`` (a second signal ends this
    at once);
 3. ``router.cut_streams()`` ends the rest in-band (an error event and ``data: [DONE]``), and
    their endings get up to :data:`CUT_GRACE_S` to be written;
-4. whatever connection is still open is aborted, the lifespan shut down, the engines' pools
-   closed.
+4. the listeners close, idle connections close, the others get :data:`CLOSE_GRACE_S` to
+   finish their last write and are then aborted; the lifespan shuts down, the engines' pools
+   close.
 """
 
 from __future__ import annotations
@@ -119,8 +121,6 @@ class Shutdown:
             router.cut_streams()
             with trio.move_on_after(CUT_GRACE_S):
                 await router.wait_idle()
-        with trio.move_on_after(CLOSE_GRACE_S):
-            await connections.wait_closed()
 
 
 async def serve(
@@ -203,10 +203,15 @@ async def _serve(
                         )
                         task_status.started(urls)
                         await shutdown.requested.wait()
+                        # Still accepting while draining: a new request is answered 503
+                        # router_draining (and /ready 503) rather than refused a connection.
+                        await shutdown.drain(
+                            router, connections, deadline_s=config.control.drain_deadline_s, say=say
+                        )
                         accepting.cancel_scope.cancel()
-                await shutdown.drain(
-                    router, connections, deadline_s=config.control.drain_deadline_s, say=say
-                )
+                connections.close_idle()
+                with trio.move_on_after(CLOSE_GRACE_S):
+                    await connections.wait_closed()
             finally:
                 connections.abort()
                 handlers.cancel_scope.cancel()

@@ -361,10 +361,11 @@ class Connection:
         """Stop reading: the reading task then closes the socket after the last write."""
         self._reading.cancel()
 
-    def drain(self) -> None:
-        """Close at once if idle; otherwise the current response is the last (the protocol
-        sends ``connection: close`` once the worker context is terminated)."""
-        if self.idle:
+    def drain(self, *, fresh_too: bool = False) -> None:
+        """Close now if idle between requests (a new connection only if ``fresh_too``: its
+        first request may be on its way); a busy connection's current response is its last
+        (the protocol says ``connection: close`` once the worker context is terminated)."""
+        if self.idle and (fresh_too or not self.fresh):
             self._set_head_deadline(-math.inf)
 
     def abort(self) -> None:
@@ -519,8 +520,6 @@ class Connections:
         if self._empty.is_set():
             self._empty = trio.Event()
         try:
-            if self.context.terminated.is_set():
-                connection.drain()
             await connection.run()
         finally:
             self._open.discard(connection)
@@ -528,10 +527,15 @@ class Connections:
                 self._empty.set()
 
     async def drain(self) -> None:
-        """Idle connections close now; the others after their current response."""
+        """Idle keep-alive connections close now; the others after their next response."""
         await self.context.terminated.set()
         for connection in list(self._open):
             connection.drain()
+
+    def close_idle(self) -> None:
+        """Close every connection waiting for a request head, new ones included."""
+        for connection in list(self._open):
+            connection.drain(fresh_too=True)
 
     def abort(self) -> None:
         """End every connection now."""
