@@ -201,6 +201,8 @@ async def _serve(
                                 handler_nursery=handlers,
                             )
                         )
+                        for url in urls:
+                            log.info("Running on %s", url)
                         task_status.started(urls)
                         await shutdown.requested.wait()
                         # Still accepting while draining: a new request is answered 503
