@@ -21,6 +21,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     terminalreporter.section("chaos figures")
     for name, value in sorted(FIGURES.items()):
+        if name == "failed_tests":
+            value = len(value)
         terminalreporter.write_line(f"{name}: {json.dumps(value, sort_keys=True)}")
     path = os.environ.get("NARWHAL_CHAOS_FIGURES")
     if path:
