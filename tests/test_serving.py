@@ -340,6 +340,25 @@ async def test_an_absolute_form_target_is_its_path(router: Served) -> None:
     assert [answer.status for answer in result.answers] == [200]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: bKdPyn3u98cTfZJSh4TNeQ==\r\n", b""],
+    ids=["valid handshake", "invalid handshake"],
+)
+async def test_a_websocket_upgrade_is_served_as_plain_http(router: Served, extra: bytes) -> None:
+    """No route is a WebSocket: Hypercorn's WebSocket stream (empty 400s, its issue #225 on
+    trailing data) is never entered."""
+    raw = (
+        b"GET /admin/events HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\n" + extra + b"\r\nx"
+    )
+    result = await exchange(router.port, [raw], half_close=True)
+    [answer] = result.answers
+    assert answer.status == 404, answer
+    assert answer.error()["code"] == "not_found"
+    await still_serving(router)
+
+
 async def test_a_client_that_shuts_its_side_after_a_request_gets_the_whole_answer(
     router: Served,
 ) -> None:

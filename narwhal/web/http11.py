@@ -46,6 +46,7 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.events import Body, Data, EndBody, Response
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
+from hypercorn.protocol.ws_stream import Handshake
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
@@ -88,6 +89,28 @@ def origin_form(target: bytes) -> bytes | None:
     return None
 
 
+def websocket_upgrade(request: h11.Request) -> bool:
+    """Whether Hypercorn would take ``request`` as a WebSocket upgrade."""
+    connection = b",".join(value for name, value in request.headers if name == b"connection")
+    upgrade = b"".join(value for name, value in request.headers if name == b"upgrade")
+    tokens = {token.strip().lower() for token in connection.split(b",")}
+    return (
+        request.method == b"GET"
+        and b"upgrade" in tokens
+        and upgrade.strip().lower() == b"websocket"
+    )
+
+
+def without_upgrade(request: h11.Request) -> h11.Request:
+    """``request`` as plain HTTP: a server may ignore ``Upgrade`` (RFC 9110 7.8)."""
+    return h11.Request(
+        method=request.method,
+        headers=[(name, value) for name, value in request.headers if name != b"upgrade"],
+        target=request.target,
+        http_version=request.http_version,
+    )
+
+
 def _framing(request: h11.Request) -> bool:
     """Whether the request's head gives its body a length (or chunks)."""
     names = {name.lower() for name, _ in request.headers}
@@ -104,6 +127,10 @@ class HTTP11Protocol(H11Protocol):
         body_ended_by_eof: the client's end of the connection ended that body; the connection
             stays open for the response.
     """
+
+    # Narwhal has no WebSocket route yet: upgrades are served as plain HTTP (a 404 envelope)
+    # rather than through Hypercorn's WebSocket stream, whose refusals are empty bodies.
+    websockets = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -214,6 +241,12 @@ class HTTP11Protocol(H11Protocol):
                         target=target,
                         http_version=event.http_version,
                     )
+                if websocket_upgrade(event):
+                    if not self.websockets:
+                        event = without_upgrade(event)
+                    elif not Handshake(list(event.headers), event.http_version.decode()).is_valid():
+                        await self._refuse(400, "Malformed WebSocket handshake.")
+                        break
                 await self.send(Updated(idle=False))
                 self.close_delimited = (
                     event.http_version == b"1.0"
