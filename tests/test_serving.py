@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -542,6 +543,33 @@ async def test_streams_that_end_within_the_deadline_complete(nursery: trio.Nurse
     for payloads in results:
         assert payloads[-1] == "[DONE]"
         assert all("error" not in json.loads(p) for p in payloads[:-1])
+
+
+async def test_a_client_that_stops_reading_cannot_hold_the_shutdown(
+    nursery: trio.Nursery,
+) -> None:
+    """Writes are shielded from cancellation (a half-written frame would break the framing),
+    but the end of the shutdown aborts them."""
+    served = await start(nursery, config(control=ControlConfig(drain_deadline_s=0.2)))
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "messages": [{"role": "user", "content": "a long story"}],
+            "narwhal_sim": {"output_tokens": 200_000},
+        }
+    ).encode()
+    raw = request([("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
+    stream = await trio.open_tcp_stream("127.0.0.1", served.port)
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    async with stream:
+        await stream.send_all(raw)
+        assert (await stream.receive_some(100)).startswith(b"HTTP/1.1 200")
+        await trio.sleep(1)  # never read again: the router's writes fill the buffers and block
+        with trio.fail_after(20):
+            took = await served.shut_down()
+    print(f"shutdown with a client that stopped reading: {took:.3f} s")
+    assert took < 0.2 + CUT_GRACE_S + CLOSE_GRACE_S + 3
 
 
 # -- the command line: signals --------------------------------------------------------------------
