@@ -2,11 +2,14 @@
 
 Transport timeouts (connect, the longest gap between two reads) are set once per engine from
 ``[upstream]``; request deadlines are cancel scopes opened by the caller, never timeouts here.
-httpx's exceptions are translated at this boundary into :mod:`narwhal.errors`.
+httpx's exceptions are translated at this boundary into :mod:`narwhal.errors`: the message names
+the engine by its configured name and the kind of failure, never an exception's repr or an
+address; the detail goes to the log, with the request's id.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -27,6 +30,7 @@ from narwhal.protocol.sse import DONE, SSEDecoder
 from narwhal.upstream.transport import EngineTransport
 
 __all__ = [
+    "MAX_EVENT_BYTES",
     "ChunkEvent",
     "DoneEvent",
     "EngineClient",
@@ -34,9 +38,13 @@ __all__ = [
     "UpstreamEvent",
     "UpstreamStream",
     "normalise_engine_error",
+    "transport_error",
 ]
 
+log = logging.getLogger(__name__)
+
 DRAIN_AFTER_DONE_S = 1.0
+MAX_EVENT_BYTES = 4 * 1024 * 1024  # an engine event (SSE block) longer than this is malformed
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -117,7 +125,8 @@ class EngineClient:
 
         Raises:
             EngineUnreachable: no connection could be made.
-            EngineError: the engine answered 5xx or broke the exchange.
+            EngineError: the engine answered 5xx, timed out or closed the connection.
+            EngineResponseError: the engine broke HTTP/1.1 (``malformed_engine_response``).
             EngineRejectedRequest: the engine answered 4xx (normalised envelope).
         """
         request = self.http.build_request(
@@ -127,12 +136,11 @@ class EngineClient:
             headers={"content-type": "application/json", "accept": "text/event-stream"}
             | dict(headers or {}),
         )
+        request_id = (headers or {}).get("x-request-id", "-")
         try:
             response = await self.http.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise EngineUnreachable(f"engine {self.engine.name} is unreachable: {exc!r}") from exc
         except httpx.HTTPError as exc:
-            raise EngineError(f"engine {self.engine.name} failed: {exc!r}") from exc
+            raise transport_error(self.engine.name, exc, f"request {request_id}") from exc
         if response.status_code >= 400:
             try:
                 content = await response.aread()
@@ -141,24 +149,65 @@ class EngineClient:
             finally:
                 await response.aclose()
             raise normalise_engine_error(self.engine.name, response.status_code, content)
-        return UpstreamStream(self.engine.name, response, route, ids_required=ids_required)
+        return UpstreamStream(
+            self.engine.name, response, route, ids_required=ids_required, request_id=request_id
+        )
 
     async def get_json(self, path: str) -> Any:
         """GET ``path`` and decode its JSON (health and model probes).
 
         Raises:
-            EngineError: unreachable, a non-200 answer, or not JSON.
+            EngineError: unreachable, timed out, a non-200 answer, or not JSON.
+            EngineResponseError: the engine broke HTTP/1.1.
         """
         try:
             response = await self.http.get(path)
         except httpx.HTTPError as exc:
-            raise EngineError(f"engine {self.engine.name} is unreachable: {exc!r}") from exc
+            raise transport_error(self.engine.name, exc, f"probe GET {path}") from exc
         if response.status_code != 200:
             raise EngineError(f"engine {self.engine.name} answered {response.status_code}")
         try:
             return orjson.loads(response.content) if response.content else None
         except orjson.JSONDecodeError as exc:
             raise EngineError(f"engine {self.engine.name} sent non-JSON on {path}") from exc
+
+
+def transport_error(
+    engine: str, exc: httpx.HTTPError, context: str = "request -"
+) -> EngineError | EngineResponseError:
+    """What a client is told of an httpx failure talking to ``engine``; the detail is logged.
+
+    ``context`` says in the log what was under way (``request <id>``, ``probe GET /health``).
+    """
+    if isinstance(exc, httpx.ConnectTimeout):
+        error: EngineError | EngineResponseError = EngineUnreachable(
+            f"engine {engine} did not accept the connection in time"
+        )
+    elif isinstance(exc, httpx.ConnectError):
+        error = EngineUnreachable(f"engine {engine} refused the connection")
+    elif isinstance(exc, httpx.PoolTimeout):
+        error = EngineError(f"Narwhal has no free connection to engine {engine}")
+    elif isinstance(exc, httpx.TimeoutException):
+        error = EngineError(f"engine {engine} did not answer in time")
+    elif isinstance(exc, httpx.RemoteProtocolError) and not _says_closed(exc):
+        error = EngineResponseError(
+            f"engine {engine} sent a malformed response",
+            param=None,
+            code="malformed_engine_response",
+        )
+    elif isinstance(exc, httpx.TransportError):
+        error = EngineError(f"engine {engine} closed the connection mid-response")
+    else:
+        error = EngineError(f"engine {engine} failed to answer")
+    log.warning("%s: %s: %r", context, error.message, exc)
+    return error
+
+
+def _says_closed(exc: httpx.RemoteProtocolError) -> bool:
+    # Ours say "closed the connection"; httpcore's "peer closed connection" or "Server
+    # disconnected"; h11's "peer unexpectedly closed connection".
+    text = str(exc).lower()
+    return "closed" in text or "disconnect" in text
 
 
 def normalise_engine_error(
@@ -200,16 +249,19 @@ class UpstreamStream:
         route: Literal["chat", "completions"],
         *,
         ids_required: bool,
+        request_id: str = "-",
     ) -> None:
         self.engine = engine
         self.route = route
         self.ids_required = ids_required
+        self.request_id = request_id
         self._response = response
         self._reader = response.aiter_raw()
         self._decoder = SSEDecoder()
         self._pending: list[Any] = []
         self._position = 0
         self._ended = False
+        self._unframed = 0  # bytes fed since the last read that completed an event (a bound)
 
     async def __aenter__(self) -> UpstreamStream:
         return self
@@ -252,8 +304,23 @@ class UpstreamStream:
             rest = self._decoder.flush()
             return [rest] if rest is not None else []
         except httpx.HTTPError as exc:
-            raise EngineError(f"engine {self.engine} broke the stream: {exc!r}") from exc
-        return self._decoder.feed(data)
+            raise transport_error(self.engine, exc, f"request {self.request_id}") from exc
+        events = self._decoder.feed(data)
+        # What the decoder holds is at most what arrived since a read last completed an event.
+        self._unframed = len(data) if events else self._unframed + len(data)
+        if self._unframed > MAX_EVENT_BYTES:
+            log.warning(
+                "request %s: engine %s sent over %d bytes without ending an event",
+                self.request_id,
+                self.engine,
+                MAX_EVENT_BYTES,
+            )
+            raise EngineResponseError(
+                f"engine {self.engine} sent an event over {MAX_EVENT_BYTES // 1048576} MiB",
+                param=None,
+                code="malformed_engine_response",
+            )
+        return events
 
     async def _drain(self) -> None:
         # Read to the end of the body after [DONE]: a body read to its end lets httpx return
