@@ -159,13 +159,13 @@ class HTTP11Protocol(H11Protocol):
         return connection.their_state in (h11.SEND_BODY, h11.ERROR) or self.head_begun()
 
     def answer_pending(self) -> bool:
-        """The client's request is whole and its answer not yet sent: a client that shuts its
-        side now (legal in HTTP/1.1) still gets the whole answer."""
-        connection = self.connection
-        if self.stream is None or not isinstance(connection, h11.Connection):
-            return False
-        complete = connection.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
-        return self.body_ended_by_eof or complete
+        """The end of the connection was the end of the request's body (an HTTP/1.0 body with
+        no length): the client shut its side to end it, and waits for the answer.
+
+        Any other end of the connection is the client going away: the request is cancelled at
+        once, wherever it waits, as every server in front of an LLM engine must (an engine
+        must not generate for nobody, a queue place must not be held for nobody)."""
+        return self.body_ended_by_eof and self.stream is not None
 
     async def header_timeout(self) -> None:
         """The next request head is late: answer 408 where one was begun, then close."""
@@ -470,9 +470,8 @@ class Connection:
                 await self.protocol.handle(RawData(data))
                 if not data:
                     if self.protocol.answer_pending():
-                        # The client shut its side after a whole request (or ended a
-                        # close-delimited body so): the answer still goes out, and its end
-                        # closes the connection. A client gone for good shows on the writes.
+                        # The client ended a close-delimited body so: the answer still goes
+                        # out, and its end closes the connection.
                         await trio.sleep_forever()
                     break
         await self.protocol.handle(Closed())
