@@ -292,6 +292,9 @@ async def test_a_body_that_does_not_arrive_in_time_is_a_408(
         fleet.router.statistics().accounting.by_reason[("invalid_requests", "request_body_timeout")]
         == 1
     )
+    metrics = fleet.router.metrics.render().decode()
+    assert 'narwhal_client_timeouts_total{phase="body"} 1.0' in metrics
+    assert (b"content-length", b"%d" % len(messages[1]["body"])) in messages[0]["headers"]
     fleet.assert_quiescent()
 
 

@@ -147,7 +147,8 @@ class Client:
     ) -> None:
         """A whole JSON response."""
         self.ended = True
-        await self._start(status, _JSON + _encode(headers))
+        length = [(b"content-length", str(len(body)).encode("ascii"))]
+        await self._start(status, _JSON + length + _encode(headers))
         await self._emit({"type": "http.response.body", "body": body, "more_body": False})
 
     async def start_stream(self) -> None:

@@ -135,6 +135,7 @@ async def _serve(
         if reading.cancelled_caught:
             if trio.current_time() >= deadline:
                 raise _deadline_expired()
+            router.metrics.count_client_timeout("body")
             raise RequestTimeout(
                 f"The request body did not arrive within {serving.body_timeout_s:g} s."
             )
