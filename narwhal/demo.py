@@ -96,6 +96,8 @@ def run_demo(*, bind: str = "127.0.0.1:8000", time_scale: float = 1.0) -> int:
                             answer = None
                         if answer is not None and answer.status_code == 200:
                             break
+                        if answer is not None and answer.json().get("state") == "draining":
+                            return  # Ctrl-C before it was ready: serve() is shutting down
                         await trio.sleep(0.05)
             print(examples(url, config.serving.model), flush=True)
 
