@@ -322,3 +322,13 @@ async def test_the_request_id_is_the_clients_or_a_new_one_and_reaches_the_engine
     refused = await fleet.chat(model="other")
     assert refused.status_code == 404 and "x-request-id" in refused.headers
     assert seen == ["client-42", made.headers["x-request-id"]]
+
+
+async def test_every_stream_gets_its_own_headers_once(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    for _ in range(3):
+        response = await fleet.chat(stream=True, narwhal_sim={"output_tokens": 1})
+        assert len(response.headers.get_list("x-request-id")) == 1
+        assert len(response.headers.get_list("content-type")) == 1

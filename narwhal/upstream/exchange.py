@@ -33,8 +33,11 @@ __all__ = ["AFTER_COMPLETE_S", "Exchange", "Measurements", "open_exchange"]
 
 log = logging.getLogger(__name__)
 
-AFTER_COMPLETE_S = 2.0
-"""How long the end of a complete answer (``[DONE]``) is waited for before it is ended anyway."""
+AFTER_COMPLETE_S = 0.25
+"""How long the end of a complete answer (``[DONE]``) is waited for before it is ended anyway.
+
+Engines send ``[DONE]`` right after the usage chunk; waiting for it lets the connection go back
+to the pool. An engine that idles instead holds its connection (and a pool slot) no longer."""
 
 
 @attrs.define

@@ -31,12 +31,12 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 DRAIN_BYTES = 4 * 1024 * 1024
 DRAIN_S = 1.0
 _MAX_REQUEST_ID = 128
-_JSON = [(b"content-type", b"application/json")]
-SSE_HEADERS = [
+_JSON = ((b"content-type", b"application/json"),)
+SSE_HEADERS = (
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
-]
+)
 
 
 class ClientGone(Exception):
@@ -148,12 +148,12 @@ class Client:
         """A whole JSON response."""
         self.ended = True
         length = [(b"content-length", str(len(body)).encode("ascii"))]
-        await self._start(status, _JSON + length + _encode(headers))
+        await self._start(status, [*_JSON, *length, *_encode(headers)])
         await self._emit({"type": "http.response.body", "body": body, "more_body": False})
 
     async def start_stream(self) -> None:
         """Send the headers of an event stream."""
-        await self._start(200, SSE_HEADERS)
+        await self._start(200, list(SSE_HEADERS))
 
     async def write(self, data: bytes) -> None:
         """Send part of a streamed body."""
@@ -181,7 +181,7 @@ class Client:
             pass
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        headers.append((b"x-request-id", self.request_id.encode("ascii")))
+        headers = [*headers, (b"x-request-id", self.request_id.encode("ascii"))]
         self.started = True
         await self._emit({"type": "http.response.start", "status": status, "headers": headers})
 

@@ -22,6 +22,7 @@ from narwhal.config import (
     MonitoringConfig,
     UpstreamConfig,
 )
+from narwhal.upstream.exchange import AFTER_COMPLETE_S
 from tests.chaos.standin import SHAPES, TEXT, StandIn
 from tests.chaos.support import (
     Answer,
@@ -108,11 +109,21 @@ async def test_every_broken_engine_shape(stand_in: tuple[StandIn, str], shape: s
             terminals = {answer.terminal for answer, _ in answers}
             if shape == "finish_idle":  # issue item 11: the answer was whole
                 assert terminals == {"completed"}, answers
+                # Each wave of MAX_CONNECTIONS requests holds its connections for at most
+                # AFTER_COMPLETE_S after the whole answer: three waves, never a read timeout.
                 worst = max(latency for _, latency in answers)
-                assert worst < READ_TIMEOUT_S / 2, f"waited {worst:.2f} s for a [DONE]"
+                bound = 3 * AFTER_COMPLETE_S + 0.2
+                assert worst < min(bound, READ_TIMEOUT_S), f"waited {worst:.2f} s for a [DONE]"
             elif shape == "bad_length":  # issue item 4
+                # Those that met the framing: malformed. Once the engine's circuit opens, the
+                # others may be refused (503) or fail as unanswered (502 engine_error).
                 codes = {answer.code for answer, _ in answers}
-                assert codes <= {"malformed_engine_response", "backend_unavailable"}, answers
+                assert "malformed_engine_response" in codes, answers
+                assert codes <= {
+                    "malformed_engine_response",
+                    "backend_unavailable",
+                    "engine_error",
+                }, answers
             elif shape not in ("json_200", "http10_close", "short_length"):
                 # (Those three carry the whole answer: relaying it is correct too.)
                 assert "completed" not in terminals, answers
