@@ -66,6 +66,11 @@ CLASS_OF_CODE = {
     "prompt_exceeds_ttft_budget": "refused",
     "request_deadline_expired": "expired",
     "admission_wait_expired": "expired",
+    # Shutdown: refused while draining, or cut in-band at the drain deadline (SPEC: unavailable,
+    # reason shutdown).
+    "router_draining": "unavailable",
+    "shutdown": "unavailable",
+    "router_shutdown": "unavailable",
 }
 
 
