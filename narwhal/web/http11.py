@@ -126,6 +126,7 @@ class HTTP11Protocol(H11Protocol):
         close_delimited: the running request's body runs to the end of the connection.
         body_ended_by_eof: the client's end of the connection ended that body; the connection
             stays open for the response.
+        closed: the connection has ended; no answer may begin any more.
     """
 
     # Narwhal has no WebSocket route yet: upgrades are served as plain HTTP (a 404 envelope)
@@ -137,6 +138,7 @@ class HTTP11Protocol(H11Protocol):
         self.input_done = False
         self.close_delimited = False
         self.body_ended_by_eof = False
+        self.closed = False
 
     # -- what the connection asks ---------------------------------------------------------------
 
@@ -164,8 +166,15 @@ class HTTP11Protocol(H11Protocol):
 
         Any other end of the connection is the client going away: the request is cancelled at
         once, wherever it waits, as every server in front of an LLM engine must (an engine
-        must not generate for nobody, a queue place must not be held for nobody)."""
-        return self.body_ended_by_eof and self.stream is not None
+        must not generate for nobody, a queue place must not be held for nobody), unless its
+        answer has begun: a response is sent whole or not at all, and a stream to a client
+        that is really gone ends on the next write that fails."""
+        if self.stream is None:
+            return False
+        if self.body_ended_by_eof:
+            return True
+        connection = self.connection
+        return isinstance(connection, h11.Connection) and connection.our_state is h11.SEND_BODY
 
     async def header_timeout(self) -> None:
         """The next request head is late: answer 408 where one was begun, then close."""
@@ -180,12 +189,18 @@ class HTTP11Protocol(H11Protocol):
     # -- Hypercorn's hooks ----------------------------------------------------------------------
 
     async def handle(self, event: Event) -> None:
+        if isinstance(event, Closed):
+            self.closed = True  # at once: the application may be about to answer
         if isinstance(event, RawData) and self.input_done:
             await self._after_last_request(event.data)
         else:
             await super().handle(event)
 
     async def stream_send(self, event: StreamEvent) -> None:
+        if self.closed and isinstance(event, Response | Body | EndBody):
+            # The connection ended before this answer began (the client went away): an answer
+            # that starts now would be cut at its head. Whole or nothing: nothing.
+            return
         if (
             isinstance(event, Response)
             and event.status_code >= 200
@@ -470,8 +485,8 @@ class Connection:
                 await self.protocol.handle(RawData(data))
                 if not data:
                     if self.protocol.answer_pending():
-                        # The client ended a close-delimited body so: the answer still goes
-                        # out, and its end closes the connection.
+                        # The client ended a close-delimited body so, or its answer has begun:
+                        # the answer still goes out whole, and its end closes the connection.
                         await trio.sleep_forever()
                     break
         await self.protocol.handle(Closed())
