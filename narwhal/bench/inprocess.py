@@ -200,23 +200,31 @@ async def run_lifespan(app: Any, *, task_status: trio.TaskStatus[None]) -> None:
         if message["type"] != kind:
             raise RuntimeError(f"lifespan: expected {kind}, got {message}")
 
+    # The app runs shielded from the caller's cancellation, so that a cancelled caller still
+    # gets its clean shutdown (the router closes its engine connections); it is cancelled here,
+    # after the shutdown or the bounded wait for it.
+    app_scope = trio.CancelScope(shield=True)
+
+    async def run_app() -> None:
+        with app_scope:
+            await app(
+                {"type": "lifespan", "asgi": {"version": "3.0"}},
+                from_runner.receive,
+                to_runner.send,
+            )
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            app,
-            {"type": "lifespan", "asgi": {"version": "3.0"}},
-            from_runner.receive,
-            to_runner.send,
-        )
-        await to_app.send({"type": "lifespan.startup"})
-        await expect("lifespan.startup.complete")
-        task_status.started()
+        nursery.start_soon(run_app)
         try:
+            await to_app.send({"type": "lifespan.startup"})
+            await expect("lifespan.startup.complete")
+            task_status.started()
             await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 await to_app.send({"type": "lifespan.shutdown"})
                 await expect("lifespan.shutdown.complete")
-            nursery.cancel_scope.cancel()
+            app_scope.cancel()
 
 
 @attrs.define(eq=False)
