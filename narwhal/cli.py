@@ -135,9 +135,7 @@ def _serve(argv: list[str]) -> int:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(
-                partial(serve, config, bind=args.bind, handle_signals=True)
-            )
+            urls = await nursery.start(partial(serve, config, bind=args.bind, handle_signals=True))
             print(f"narwhal: serving {config.serving.model!r} on {', '.join(urls)}", flush=True)
 
     try:
