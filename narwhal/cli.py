@@ -10,7 +10,7 @@ import argparse
 import logging
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 from narwhal import __version__
@@ -22,7 +22,7 @@ from narwhal.config import (
     load_config,
 )
 
-__all__ = ["bind_problem", "listen_failure", "main", "time_scale_problem"]
+__all__ = ["bind_problem", "listen_failure", "main", "run_listening", "time_scale_problem"]
 
 COMMANDS = ("serve", "demo", "sim", "bench", "check-config")
 
@@ -95,6 +95,31 @@ def listen_failure(error: BaseException) -> OSError | None:
     return leaf if isinstance(leaf, OSError) else None
 
 
+def run_listening(command: str, bind: str, main: Callable[[], Awaitable[None]]) -> int:
+    """``trio.run(main)`` for a command that listens on ``bind``; returns the exit status.
+
+    A refused bind (port in use, unknown host) and a configuration error raised while serving
+    are one line on standard error and exit status 2; Ctrl-C before the server handles it is 0.
+    """
+    import trio
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except (ConfigError, OSError, BaseExceptionGroup) as exc:
+        leaf = _only_leaf(exc)
+        if isinstance(leaf, ConfigError):
+            print(f"narwhal {command}: {leaf}", file=sys.stderr)
+            return 2
+        refused = listen_failure(exc)
+        if refused is None:
+            raise
+        print(f"narwhal {command}: cannot listen on {bind}: {_describe(refused)}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _only_leaf(error: BaseException) -> BaseException:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
@@ -138,19 +163,7 @@ def _serve(argv: list[str]) -> int:
             urls = await nursery.start(partial(serve, config, bind=args.bind, handle_signals=True))
             print(f"narwhal: serving {config.serving.model!r} on {', '.join(urls)}", flush=True)
 
-    try:
-        trio.run(run)
-    except (ConfigError, OSError, BaseExceptionGroup) as exc:
-        leaf = _only_leaf(exc)
-        if isinstance(leaf, ConfigError):
-            print(f"narwhal serve: {leaf}", file=sys.stderr)
-            return 2
-        refused = listen_failure(exc)
-        if refused is None:
-            raise
-        print(f"narwhal serve: cannot listen on {bind}: {_describe(refused)}", file=sys.stderr)
-        return 2
-    return 0
+    return run_listening("serve", bind, run)
 
 
 def _demo(argv: list[str]) -> int:

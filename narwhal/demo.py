@@ -7,13 +7,12 @@ printed only once ``/ready`` would answer 200, so a newcomer's first request suc
 
 from __future__ import annotations
 
-import sys
 from functools import partial
 
 import httpx
 import trio
 
-from narwhal.cli import listen_failure
+from narwhal.cli import run_listening
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig
 from narwhal.server import serve
 from narwhal.sim.engine import SimEngine
@@ -101,15 +100,4 @@ def run_demo(*, bind: str = "127.0.0.1:8000", time_scale: float = 1.0) -> int:
                         await trio.sleep(0.05)
             print(examples(url, config.serving.model), flush=True)
 
-    try:
-        trio.run(main)
-    except KeyboardInterrupt:
-        pass
-    except (OSError, BaseExceptionGroup) as exc:
-        refused = listen_failure(exc)
-        if refused is None:
-            raise
-        reason = refused.strerror or refused
-        print(f"narwhal demo: cannot listen on {bind}: {reason}", file=sys.stderr)
-        return 2
-    return 0
+    return run_listening("demo", bind, main)

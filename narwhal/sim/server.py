@@ -187,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``narwhal sim``: serve one simulated engine until Ctrl-C. Returns the exit status."""
-    from narwhal.cli import bind_problem, listen_failure, time_scale_problem
+    from narwhal.cli import bind_problem, run_listening, time_scale_problem
 
     args = _parser().parse_args(argv)
     problem = bind_problem(args.bind) or time_scale_problem(args.time_scale)
@@ -226,16 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     stop.set()
                     break
 
-    try:
-        trio.run(run)
-    except (OSError, BaseExceptionGroup) as exc:
-        refused = listen_failure(exc)
-        if refused is None:
-            raise
-        reason = refused.strerror or refused
-        print(f"narwhal sim: cannot listen on {args.bind}: {reason}", file=sys.stderr)
-        return 2
-    return 0
+    return run_listening("sim", args.bind, run)
 
 
 if __name__ == "__main__":  # pragma: no cover
