@@ -141,7 +141,13 @@ async def test_sigterm_with_streams_in_flight_ends_each_stream_whole(
                 await trio.sleep(0.02)
             serve.process.send_signal(signal.SIGTERM)
             signalled = trio.current_time()
-            # Admission stops at once (a new request is refused or finds the port closed).
+            # The signal reaches the router asynchronously: once /ready says it is draining, a
+            # new request is refused (or finds the port closed).
+            try:
+                while (await client.get(f"{url}/ready")).json()["state"] != "draining":  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            except httpx.TransportError:
+                pass
             try:
                 refused = await client.post(f"{url}/v1/chat/completions", json=body)
             except httpx.TransportError:
