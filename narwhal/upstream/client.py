@@ -27,6 +27,7 @@ from narwhal.errors import (
 )
 from narwhal.protocol.chunks import ChunkFacts, inspect_chunk
 from narwhal.protocol.sse import DONE, SSEDecoder
+from narwhal.scheduling.health import FailureKind
 from narwhal.upstream.transport import EngineTransport
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "UpstreamStream",
     "normalise_engine_error",
     "transport_error",
+    "transport_kind",
 ]
 
 log = logging.getLogger(__name__)
@@ -172,6 +174,27 @@ class EngineClient:
             raise EngineError(f"engine {self.engine.name} sent non-JSON on {path}") from exc
 
 
+def transport_kind(exc: httpx.HTTPError) -> FailureKind | Literal["pool"] | None:
+    """What kind of failure of the engine's transport ``exc`` is.
+
+    ``"pool"``: our own pool was full (nothing wrong with the engine); ``None``: not a transport
+    failure at all. The one classification of httpx's exceptions: client messages
+    (:func:`transport_error`) and engine health
+    (:func:`narwhal.upstream.health.transport_failure`) both read it.
+    """
+    if isinstance(exc, httpx.PoolTimeout):
+        return "pool"
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return "connect"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.RemoteProtocolError) and not _says_closed(exc):
+        return "protocol"
+    if isinstance(exc, httpx.TransportError):
+        return "disconnect"
+    return None
+
+
 def transport_error(
     engine: str, exc: httpx.HTTPError, context: str = "request -"
 ) -> EngineError | EngineResponseError:
@@ -179,23 +202,26 @@ def transport_error(
 
     ``context`` says in the log what was under way (``request <id>``, ``probe GET /health``).
     """
-    if isinstance(exc, httpx.ConnectTimeout):
-        error: EngineError | EngineResponseError = EngineUnreachable(
+    kind = transport_kind(exc)
+    error: EngineError | EngineResponseError
+    if kind == "connect":
+        timed_out = isinstance(exc, httpx.ConnectTimeout)
+        error = EngineUnreachable(
             f"engine {engine} did not accept the connection in time"
+            if timed_out
+            else f"engine {engine} refused the connection"
         )
-    elif isinstance(exc, httpx.ConnectError):
-        error = EngineUnreachable(f"engine {engine} refused the connection")
-    elif isinstance(exc, httpx.PoolTimeout):
+    elif kind == "pool":
         error = EngineError(f"Narwhal has no free connection to engine {engine}")
-    elif isinstance(exc, httpx.TimeoutException):
+    elif kind == "timeout":
         error = EngineError(f"engine {engine} did not answer in time")
-    elif isinstance(exc, httpx.RemoteProtocolError) and not _says_closed(exc):
+    elif kind == "protocol":
         error = EngineResponseError(
             f"engine {engine} sent a malformed response",
             param=None,
             code="malformed_engine_response",
         )
-    elif isinstance(exc, httpx.TransportError):
+    elif kind == "disconnect":
         error = EngineError(f"engine {engine} closed the connection mid-response")
     else:
         error = EngineError(f"engine {engine} failed to answer")

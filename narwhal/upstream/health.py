@@ -41,6 +41,7 @@ from narwhal.upstream.client import (
     EngineClient,
     ErrorFrameEvent,
     UpstreamStream,
+    transport_kind,
 )
 
 __all__ = ["HealthPoller", "client_of", "open_stream", "record_failure", "transport_failure"]
@@ -89,21 +90,28 @@ def transport_failure(exc: BaseException) -> Failure | None:
     """What ``exc`` (a Narwhal or httpx error) says of the engine's transport, if anything."""
     chain = list(_causes(exc))
     for cause in chain:
-        if isinstance(cause, httpx.PoolTimeout):
-            return None  # our own pool was full: nothing wrong with the engine
-        if isinstance(cause, httpx.ConnectTimeout):
-            return Failure("connect", "unreachable (connect timed out)")
-        if isinstance(cause, httpx.ConnectError):
-            return Failure("connect", f"unreachable ({_connect_detail(chain)})")
-        if isinstance(cause, httpx.TimeoutException):
-            return Failure("timeout", "timed out")
-        if isinstance(cause, httpx.RemoteProtocolError) and not _says_closed(cause):
-            return Failure("protocol", "malformed HTTP answer")
-        if isinstance(cause, httpx.TransportError):
-            return Failure("disconnect", "connection lost")
+        if not isinstance(cause, httpx.HTTPError):
+            continue
+        kind = transport_kind(cause)
+        if kind is None:
+            continue
+        if kind == "pool":
+            return None
+        if kind == "connect":
+            timed_out = isinstance(cause, httpx.ConnectTimeout)
+            detail = "connect timed out" if timed_out else _connect_detail(chain)
+            return Failure("connect", f"unreachable ({detail})")
+        return Failure(kind, _KIND_DETAIL[kind])
     if isinstance(exc, EngineUnreachable):
         return Failure("connect", f"unreachable ({_connect_detail(chain)})")
     return None
+
+
+_KIND_DETAIL = {
+    "timeout": "timed out",
+    "protocol": "malformed HTTP answer",
+    "disconnect": "connection lost",
+}
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
@@ -120,11 +128,6 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         for linked in (current.__cause__, current.__context__):
             if linked is not None:
                 pending.append(linked)
-
-
-def _says_closed(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "closed" in text or "disconnect" in text
 
 
 def _connect_detail(chain: list[BaseException]) -> str:
