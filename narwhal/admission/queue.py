@@ -119,10 +119,8 @@ class AdmissionQueue:
         if slot is None:
             self.enqueue(waiter)
             slot = await self.wait_for_placement(waiter, wait_s)
-        try:
+        with slot:
             yield slot
-        finally:
-            slot.release()
 
     def enqueue(self, waiter: Waiter) -> None:
         """Join the queue without waiting.

@@ -244,8 +244,14 @@ class Slot:
             forecast.generated(tokens)
             forecast.saw_step(trio.current_time())
 
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
     def release(self) -> None:
-        """Give the slot back (idempotent)."""
+        """Give the slot back (idempotent; also at the end of a ``with`` block)."""
         engine = self.engine
         if self.phase == "prefill":
             engine.prefill -= 1

@@ -11,8 +11,8 @@ The module holds no deadlines: the caller opens the request's cancel scopes arou
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import attrs
 import trio
@@ -248,11 +248,7 @@ async def open_exchange(
             if other is None:
                 raise _give_up(failures)
             attempt_slot = held.enter_context(
-                _released(
-                    Slot.take(
-                        other, slot.prompt_tokens, route=slot.route, max_tokens=slot.max_tokens
-                    )
-                )
+                Slot.take(other, slot.prompt_tokens, route=slot.route, max_tokens=slot.max_tokens)
             )
         yield exchange
 
@@ -265,14 +261,6 @@ def _give_up(failures: list[tuple[Engine, UpstreamFailure]]) -> UpstreamFailure:
         return EngineError(f"The engine failed to answer: {last.message}")
     told = "; ".join(failure.message for _, failure in failures)
     return EngineError(f"Both engines tried failed to answer: {told}")
-
-
-@contextmanager
-def _released(slot: Slot) -> Iterator[Slot]:
-    try:
-        yield slot
-    finally:
-        slot.release()
 
 
 async def _attempt(
