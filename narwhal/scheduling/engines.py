@@ -93,6 +93,16 @@ class Engine:
     # Attempts waiting for this engine's response headers: cancelled when its circuit opens,
     # so that they are retried elsewhere instead of waiting out the read timeout.
     attempts: set[trio.CancelScope] = attrs.field(factory=set)
+    # The engine's own object for the served model, from its ``/v1/models`` (vLLM's carries
+    # ``max_model_len``, ``root``, ``owned_by``...); ``None`` until a poll has read it.
+    model_card: dict[str, object] | None = None
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's context length in tokens, where its model object says it."""
+        card = self.model_card
+        value = None if card is None else card.get("max_model_len")
+        return value if type(value) is int and value > 0 else None
 
     @property
     def name(self) -> str:
