@@ -227,6 +227,25 @@ class Router:
         while not self.statistics().ready:  # noqa: ASYNC110 - readiness has many sources
             await trio.sleep(poll_s)
 
+    def model_object(self) -> dict[str, Any]:
+        """What ``/v1/models`` shows for ``serving.model``: the engines' own model object.
+
+        The first eligible engine's (in configuration order), as its last good poll read it;
+        while none is eligible, the first engine's that has reported one; before any engine
+        has, a minimal object naming the model (``owned_by: narwhal``).
+        """
+        cards = [engine.model_card for engine in self.pool if engine.eligible]
+        cards += [engine.model_card for engine in self.pool]
+        for card in cards:
+            if card is not None:
+                return dict(card)
+        return {
+            "id": self.config.serving.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "narwhal",
+        }
+
     def statistics(self) -> RouterStatistics:
         """A frozen snapshot."""
         return RouterStatistics(

@@ -4,7 +4,9 @@ One :class:`HealthPoller` task per engine runs in the router's nursery. Each pol
 ``/health`` and ``/v1/models`` under one short cancel scope (``monitoring.poll_timeout_s``),
 never the upstream read timeout, and reports the result to the engine's
 :class:`~narwhal.scheduling.health.EngineHealth`; an engine that has not joined yet is also
-given the token-ID probe. Polls run every ``monitoring.poll_interval_s``; while an engine's
+given the token-ID probe. Every good poll keeps the engine's own object for the served model
+(its ``/v1/models`` entry) as :attr:`~narwhal.scheduling.engines.Engine.model_card`, which the
+router's ``/v1/models`` serves. Polls run every ``monitoring.poll_interval_s``; while an engine's
 circuit is open they wait for the end of its cool-down, and the first poll after it is the
 half-open probe.
 
@@ -277,9 +279,19 @@ class HealthPoller:
         entries = listing.get("data") if isinstance(listing, dict) else None
         if not isinstance(entries, list):
             raise _PollFailed(Failure("unhealthy", "/v1/models answered no model list"))
-        served = {entry.get("id") for entry in entries if isinstance(entry, dict)}
-        if self.model not in served:
+        card = next(
+            (
+                entry
+                for entry in entries
+                if isinstance(entry, dict) and entry.get("id") == self.model
+            ),
+            None,
+        )
+        if card is None:
             raise _PollFailed(Failure("unhealthy", f"/v1/models does not list {self.model!r}"))
+        # The engine's own object for the model (vLLM's has max_model_len, root, owned_by...):
+        # what the router's /v1/models serves, refreshed by every good poll.
+        self.engine.model_card = card
 
     async def _probe_token_ids(self) -> None:
         engine = self.engine

@@ -20,6 +20,7 @@ from narwhal.config import Config
 from narwhal.errors import (
     FrameworkHTTPError,
     MethodNotAllowed,
+    ModelNotFound,
     NarwhalError,
     RequestTooLarge,
     RouteNotFound,
@@ -104,13 +105,20 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        model = config.serving.model
-        return json_response(
-            {
-                "object": "list",
-                "data": [{"id": model, "object": "model", "created": 0, "owned_by": "narwhal"}],
-            }
-        )
+        return json_response({"object": "list", "data": [router.model_object()]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        # vLLM has no such route; this is OpenAI's: the model object itself.
+        served = config.serving.model
+        if model_id != served:
+            return error_response(
+                ModelNotFound(
+                    f"The model `{model_id}` does not exist here; this router serves `{served}`.",
+                    param="model",
+                )
+            )
+        return json_response(router.model_object())
 
     @app.get("/health")
     async def health() -> Response:
