@@ -131,10 +131,9 @@ def _describe(error: OSError) -> str:
 
 
 def _logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from narwhal.logs import configure_logging
+
+    configure_logging(logging.INFO if verbose else logging.WARNING)
 
 
 def _serve(argv: list[str]) -> int:

@@ -3,17 +3,22 @@ own model object on ``/v1/models``, the request id end to end, and per-engine AP
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
 import attrs
 import httpx
+import orjson
 import pytest
 import trio
 
 from narwhal.bench.inprocess import ASGIStreamTransport, run_lifespan
 from narwhal.config import Config, EngineConfig, MonitoringConfig, ServingConfig
+from narwhal.logs import NO_REQUEST, RequestIdFilter, current_request_id, request_context
 from narwhal.router import Router
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.timing import profile
@@ -224,3 +229,121 @@ async def test_the_object_follows_the_engine(
     await trio.sleep(1.5)  # the next poll
     assert front.router.pool.engines[0].max_model_len == 1024
     assert (await front.models()).json()["data"][0]["created"] == 1796114300
+
+
+# -- item 7: the request id --------------------------------------------------------------------
+
+
+def failing(name: str) -> dict[str, Any]:
+    return {"output_tokens": 6, "fault": name, "fault_at": 0}
+
+
+async def chat(front: Front, request_id: str | None = None, **body: Any) -> httpx.Response:
+    body.setdefault("model", MODEL)
+    body.setdefault("messages", [{"role": "user", "content": "Hello there"}])
+    headers = {} if request_id is None else {"x-request-id": request_id}
+    return await front.client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_clients_id_reaches_every_engine_tried_and_comes_back(
+    start_front: StartFront, autojump_clock: trio.testing.MockClock, stream: bool
+) -> None:
+    first, second = StandIn("vllm-a"), StandIn("vllm-b")
+    front = await start_front({engine("vllm-a"): first, engine("vllm-b"): second})
+    first.inner.engine.set_directives(failing("http_500"))  # the first choice: retried
+    response = await chat(front, "bench-0017", stream=stream)
+    assert response.status_code == 200
+    assert response.headers["x-request-id"] == "bench-0017"
+    tried = [headers["x-request-id"] for headers in first.completion_headers()[-1:]]
+    answered = [headers["x-request-id"] for headers in second.completion_headers()[-1:]]
+    assert tried == answered == ["bench-0017"]
+
+
+async def test_without_a_usable_id_one_is_made_and_sent_everywhere(
+    start_front: StartFront, autojump_clock: trio.testing.MockClock
+) -> None:
+    stand_in = StandIn("vllm-a")
+    front = await start_front({engine("vllm-a"): stand_in})
+    for given in (None, "", "x" * 129, "caf\u00e9"):
+        headers = {} if given is None else {"x-request-id": given}
+        response = await front.client.post(
+            "/v1/completions",
+            content=orjson.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+            headers={"content-type": "application/json"}
+            | {name: value.encode() for name, value in headers.items()},  # type: ignore[misc]
+        )
+        made = response.headers["x-request-id"]
+        assert len(made) == 32 and made != given
+        assert stand_in.completion_headers()[-1]["x-request-id"] == made
+
+
+async def test_every_route_answers_with_a_request_id(
+    start_front: StartFront, autojump_clock: trio.testing.MockClock
+) -> None:
+    front = await start_front({engine("vllm-a"): StandIn("vllm-a")})
+    for path in ("/v1/models", "/v1/models/tiny", "/v1/models/other", "/health", "/nowhere"):
+        given = await front.client.get(path, headers={"x-request-id": "probe-1"})
+        assert given.headers.get_list("x-request-id") == ["probe-1"], path
+        made = await front.client.get(path)
+        assert len(made.headers["x-request-id"]) == 32, path
+
+
+async def test_every_log_line_about_a_request_carries_its_id(
+    start_front: StartFront,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.handler.addFilter(RequestIdFilter())
+    caplog.set_level(logging.INFO, logger="narwhal")
+    first, second = StandIn("vllm-a"), StandIn("vllm-b")
+    front = await start_front(
+        {engine("vllm-a"): first, engine("vllm-b"): second},
+        monitoring=MonitoringConfig(failure_threshold=1),
+    )
+    joins = [record for record in caplog.records if "joined" in record.getMessage()]
+    assert joins and {record.request_id for record in joins} == {NO_REQUEST}  # type: ignore[attr-defined]
+    caplog.clear()
+    # A broken connection on the first engine: the upstream client, the engine's health (its
+    # circuit opens) and the exchange (the retry) each log a line, on the request's behalf.
+    first.inner.engine.set_directives(failing("drop"))
+    response = await chat(front, "trace-me")
+    assert response.status_code == 200
+    about = [record for record in caplog.records if record.name.startswith("narwhal.")]
+    assert {record.name for record in about} >= {
+        "narwhal.upstream.client",
+        "narwhal.upstream.health",
+        "narwhal.upstream.exchange",
+    }
+    assert {record.request_id for record in about} == {"trace-me"}  # type: ignore[attr-defined]
+    assert current_request_id() == NO_REQUEST
+
+
+def test_a_record_logged_outside_a_request_says_so() -> None:
+    record = logging.LogRecord("narwhal.x", logging.INFO, __file__, 1, "m", None, None)
+    assert RequestIdFilter().filter(record) and record.request_id == NO_REQUEST  # type: ignore[attr-defined]
+    with request_context("abc"):
+        inside = logging.LogRecord("narwhal.x", logging.INFO, __file__, 1, "m", None, None)
+        RequestIdFilter().filter(inside)
+        assert current_request_id() == "abc"
+    assert inside.request_id == "abc"  # type: ignore[attr-defined]
+    assert current_request_id() == NO_REQUEST
+
+
+@pytest.mark.realtime
+def test_the_command_lines_log_format_shows_the_request_id() -> None:
+    program = (
+        "import logging\n"
+        "from narwhal.logs import configure_logging, request_context\n"
+        "configure_logging(logging.INFO)\n"
+        "log = logging.getLogger('narwhal.upstream.exchange')\n"
+        "log.info('polled')\n"
+        "with request_context('req-9'):\n"
+        "    log.warning('attempt failed')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True
+    )
+    lines = done.stderr.splitlines()
+    assert lines[0].endswith(" INFO narwhal.upstream.exchange [-]: polled")
+    assert lines[1].endswith(" WARNING narwhal.upstream.exchange [req-9]: attempt failed")

@@ -27,6 +27,7 @@ from narwhal.errors import (
 )
 from narwhal.protocol.requests import Route
 from narwhal.router import Router
+from narwhal.web.client import request_id
 from narwhal.web.completions import serve_completion
 from narwhal.web.metrics import CONTENT_TYPE
 from narwhal.web.responses import error_response, json_response
@@ -119,6 +120,14 @@ def create_app(
                 )
             )
         return json_response(router.model_object())
+
+    @app.after_request
+    async def identify(response: Response) -> Response:
+        # Every answer carries a request id, as vLLM's do (the completion routes set their own).
+        if "x-request-id" not in response.headers:
+            given = {"x-request-id": request.headers.get("x-request-id", "")}
+            response.headers["x-request-id"] = request_id(given)
+        return response
 
     @app.get("/health")
     async def health() -> Response:

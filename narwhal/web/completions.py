@@ -36,6 +36,7 @@ from narwhal.errors import (
     UnsupportedOption,
     UpstreamFailure,
 )
+from narwhal.logs import request_context
 from narwhal.protocol.assembly import Assembler
 from narwhal.protocol.chunks import expose
 from narwhal.protocol.requests import CompletionRequest, Route, parse_request
@@ -83,7 +84,11 @@ async def serve_completion(
     """
     client = Client(scope, receive, send)
     arrival = trio.current_time()
-    with router.hold(client.request_id) as live, router.accounting.offer() as ticket:
+    with (
+        request_context(client.request_id),  # every log line about it carries the id
+        router.hold(client.request_id) as live,
+        router.accounting.offer() as ticket,
+    ):
         try:
             with live.scope:
                 await _serve(router, route, client, live, ticket, arrival)
