@@ -1,0 +1,192 @@
+"""The contract between Narwhal and a real vLLM: the same request, sent both ways, must match.
+
+Each :class:`Case` is sent straight to vLLM and through Narwhal; the two answers are compared
+value for value, ignoring only what differs between any two calls to vLLM itself (response and
+tool-call ids, ``created`` timestamps). Whole responses must be equal; streams must be the same
+list of events. Errors compare by status, ``param`` and, where vLLM wrote the error, its message:
+Narwhal's envelope normalises ``type`` and ``code`` (docs: Errors), and errors Narwhal finds
+itself (an unknown model) are its own words.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import httpx
+
+from tests.real.servers import MAX_MODEL_LEN, MODEL
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+STREAM: dict[str, Any] = {"stream": True}
+USAGE: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+CONTINUOUS: dict[str, Any] = {
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
+THINKING: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": True}}
+# Far longer than the context (about a token per two characters of this text).
+TOO_LONG = "the weather in Paris, " * (MAX_MODEL_LEN // 2)
+
+VOLATILE = frozenset({"id", "created"})
+
+
+@attrs.frozen
+class Case:
+    """One request of the matrix; ``own_error`` when Narwhal, not vLLM, answers it."""
+
+    name: str
+    route: str
+    body: dict[str, Any]
+    own_error: bool = False
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+def chat(name: str, /, *, own_error: bool = False, **fields: Any) -> Case:
+    """A chat case: greedy, short, with ``fields`` over the defaults."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0, **fields}
+    return Case(name, CHAT, _present(body), own_error)
+
+
+def completion(name: str, /, *, own_error: bool = False, **fields: Any) -> Case:
+    """A completions case: greedy, short, with ``fields`` over the defaults."""
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+    body.update(fields)
+    return Case(name, COMPLETIONS, _present(body), own_error)
+
+
+def _present(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without the defaults a case removed (set to ``None``)."""
+    return {key: value for key, value in body.items() if value is not None}
+
+
+@attrs.frozen
+class Answer:
+    """One answer, decoded: a JSON body, or a stream's events (``"[DONE]"`` kept)."""
+
+    status: int
+    streamed: bool
+    body: Any
+    headers: httpx.Headers
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        """The error envelope's inside, for a whole error answer or a stream's error event."""
+        if not self.streamed:
+            if self.status >= 400 and isinstance(self.body, dict):
+                inside = self.body.get("error")
+                return inside if isinstance(inside, dict) else None
+            return None
+        for event in self.body:
+            if isinstance(event, dict) and isinstance(event.get("error"), dict):
+                inside: dict[str, Any] = event["error"]
+                return inside
+        return None
+
+
+def send(client: httpx.Client, case: Case, headers: dict[str, str] | None = None) -> Answer:
+    """Send ``case`` and decode the answer (whole or streamed)."""
+    with client.stream("POST", case.route, json=case.body, headers=headers) as response:
+        raw = response.read()
+    kind = response.headers.get("content-type", "")
+    if kind.startswith("text/event-stream"):
+        return Answer(response.status_code, True, sse_events(raw), response.headers)
+    return Answer(response.status_code, False, json.loads(raw), response.headers)
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """The ``data:`` events of an SSE body, JSON-decoded (``[DONE]`` as the string)."""
+    events: list[Any] = []
+    for block in raw.decode().replace("\r\n", "\n").split("\n\n"):
+        data = [line[5:].lstrip() for line in block.split("\n") if line.startswith("data:")]
+        if not data:
+            continue
+        text = "\n".join(data)
+        events.append(text if text == "[DONE]" else json.loads(text))
+    return events
+
+
+def normalise(value: Any) -> Any:
+    """``value`` with ids and timestamps blanked, recursively."""
+    if isinstance(value, dict):
+        return {
+            key: ("<volatile>" if key in VOLATILE else normalise(item))
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [normalise(item) for item in value]
+    return value
+
+
+def differences(expected: Any, actual: Any, path: str = "") -> list[str]:
+    """Every place where ``actual`` differs from ``expected``, as readable lines."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        found = []
+        for key in expected.keys() | actual.keys():
+            where = f"{path}.{key}" if path else str(key)
+            if key not in actual:
+                found.append(f"{where}: missing (vLLM: {expected[key]!r:.120})")
+            elif key not in expected:
+                found.append(f"{where}: extra {actual[key]!r:.120}")
+            else:
+                found.extend(differences(expected[key], actual[key], where))
+        return sorted(found)
+    if isinstance(expected, list) and isinstance(actual, list):
+        found = []
+        if len(expected) != len(actual):
+            found.append(f"{path}: {len(actual)} items, vLLM {len(expected)}")
+        for index, (left, right) in enumerate(zip(expected, actual, strict=False)):
+            found.extend(differences(left, right, f"{path}[{index}]"))
+        return found
+    if expected != actual or type(expected) is not type(actual):
+        return [f"{path}: {actual!r:.120}, vLLM {expected!r:.120}"]
+    return []
+
+
+def compare(case: Case, direct: Answer, routed: Answer) -> list[str]:
+    """What differs between vLLM's own answer and Narwhal's, for ``case``."""
+    found: list[str] = []
+    if direct.status != routed.status:
+        found.append(f"status: {routed.status}, vLLM {direct.status}")
+    expected_error, actual_error = direct.error, routed.error
+    if expected_error is not None or actual_error is not None:
+        if expected_error is None or actual_error is None:
+            return [*found, f"error: {actual_error!r:.200}, vLLM {expected_error!r:.200}"]
+        if expected_error.get("param") != actual_error.get("param"):
+            found.append(
+                f"error.param: {actual_error.get('param')!r}, vLLM {expected_error.get('param')!r}"
+            )
+        if not case.own_error and expected_error.get("message") != actual_error.get("message"):
+            found.append(
+                f"error.message: {actual_error.get('message')!r}, "
+                f"vLLM {expected_error.get('message')!r}"
+            )
+        for key in ("message", "type", "param", "code"):
+            if key not in actual_error:
+                found.append(f"error.{key}: missing from the envelope")
+        return found
+    if direct.streamed != routed.streamed:
+        return [*found, f"streamed: {routed.streamed}, vLLM {direct.streamed}"]
+    return [*found, *differences(normalise(direct.body), normalise(routed.body))]

@@ -1,0 +1,182 @@
+"""Narwhal's answers equal vLLM's own, value for value, for the whole request matrix.
+
+Every case is one line of :data:`CASES`; each is sent straight to a real vLLM and through
+``narwhal serve``, by raw HTTP and by the official ``openai`` client, and compared (see
+:mod:`tests.real.contract` for what the comparison ignores).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.real.contract import (
+    CHAT,
+    COMPLETIONS,
+    CONTINUOUS,
+    NAMED,
+    STREAM,
+    THINKING,
+    TOO_LONG,
+    TOOLS,
+    USAGE,
+    Case,
+    chat,
+    compare,
+    completion,
+    differences,
+    normalise,
+    send,
+)
+from tests.real.servers import metric
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.realtime]
+
+# Chat echo continues the last (assistant) turn, which it echoes.
+ECHO: dict[str, Any] = {
+    "messages": [*chat("-").body["messages"], {"role": "assistant", "content": "It is"}],
+    "echo": True,
+    "add_generation_prompt": False,
+}
+BATCH = ["The quick brown fox", "Once upon a time"]
+LONG_CHAT = [{"role": "user", "content": TOO_LONG}]
+REQUIRED: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 60}
+NAMED_CALL: dict[str, Any] = {"tools": TOOLS, "tool_choice": NAMED, "max_tokens": 60}
+
+CASES = [
+    chat("chat"),
+    chat("chat-stream", **STREAM),
+    chat("chat-stream-include-usage", **USAGE),
+    chat("chat-stream-continuous-usage", **CONTINUOUS),
+    chat("chat-token-ids", return_token_ids=True),
+    chat("chat-stream-token-ids", return_token_ids=True, **STREAM),
+    chat("chat-stream-token-ids-usage", return_token_ids=True, **CONTINUOUS),
+    chat("chat-stop", stop=["e", "o"]),
+    chat("chat-stream-stop", stop=["e", "o"], **STREAM),
+    chat("chat-logprobs", logprobs=True, top_logprobs=3),
+    chat("chat-stream-logprobs", logprobs=True, top_logprobs=3, **USAGE),
+    chat("chat-prompt-logprobs", prompt_logprobs=2),
+    chat("chat-echo", **ECHO),
+    chat("chat-stream-echo", **ECHO, **STREAM),
+    chat("chat-echo-prompt-logprobs", **ECHO, prompt_logprobs=1),
+    chat("chat-max-completion-tokens", max_tokens=None, max_completion_tokens=7),
+    chat("chat-tools-auto", tools=TOOLS, tool_choice="auto"),
+    chat("chat-stream-tools-auto", tools=TOOLS, tool_choice="auto", **STREAM),
+    chat("chat-tools-required", **REQUIRED),
+    chat("chat-stream-tools-required", **REQUIRED, **STREAM),
+    chat("chat-tools-named", **NAMED_CALL),
+    chat("chat-stream-tools-named", **NAMED_CALL, **USAGE),
+    chat("chat-reasoning", **THINKING),
+    chat("chat-stream-reasoning", **THINKING, **USAGE),
+    completion("completion"),
+    completion("completion-stream", **STREAM),
+    completion("completion-stream-include-usage", **USAGE),
+    completion("completion-stream-continuous-usage", **CONTINUOUS),
+    completion("completion-token-ids", return_token_ids=True),
+    completion("completion-stream-token-ids", return_token_ids=True, **STREAM),
+    completion("completion-stop", stop=["e", "o"]),
+    completion("completion-logprobs", logprobs=3),
+    completion("completion-stream-logprobs", logprobs=3, **STREAM),
+    completion("completion-prompt-logprobs", prompt_logprobs=2),
+    completion("completion-echo", echo=True),
+    completion("completion-stream-echo", echo=True, **STREAM),
+    completion("completion-echo-logprobs", echo=True, logprobs=2),
+    completion("completion-batch", prompt=BATCH),
+    completion("completion-stream-batch", prompt=BATCH, **USAGE),
+    completion("completion-token-prompt", prompt=[17, 42, 99, 256]),
+    chat("error-bad-temperature", temperature=-1),
+    chat("error-stream-bad-temperature", temperature=-1, **STREAM),
+    chat("error-top-logprobs", logprobs=True, top_logprobs=50),
+    chat("error-stream-top-logprobs", logprobs=True, top_logprobs=50, **STREAM),
+    completion("error-max-tokens-over-context", max_tokens=4000),
+    completion("error-prompt-over-context", prompt=TOO_LONG),
+    chat("error-stream-prompt-over-context", messages=LONG_CHAT, **STREAM),
+    completion("error-stream-prompt-logprobs", prompt_logprobs=1, **STREAM),
+    chat("error-unknown-model", model="no-such-model", own_error=True),
+    chat("error-bad-messages", messages="hello", own_error=True),
+]
+IDS = [case.name for case in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_raw_http_matches_vllm(case: Case, direct: httpx.Client, routed: httpx.Client) -> None:
+    expected = send(direct, case)
+    actual = send(routed, case)
+    found = compare(case, expected, actual)
+    assert not found, f"{case.name} differs from vLLM:\n" + "\n".join(found)
+
+
+def test_matrix_exercises_what_it_names(direct: httpx.Client) -> None:
+    """The cases really reach the features they are named after (else a match proves nothing)."""
+    by_name = {case.name: case for case in CASES}
+
+    def body(name: str) -> Any:
+        answer = send(direct, by_name[name])
+        assert answer.status == 200, (name, answer.body)
+        return answer.body
+
+    assert body("chat-tools-required")["choices"][0]["message"]["tool_calls"]
+    assert body("chat-tools-named")["choices"][0]["message"]["tool_calls"]
+    assert body("chat-reasoning")["choices"][0]["message"]["reasoning"]
+    assert body("chat-stop")["choices"][0]["finish_reason"] == "stop"
+    assert body("completion-stop")["choices"][0]["finish_reason"] == "stop"
+    assert body("chat-prompt-logprobs")["prompt_logprobs"]
+    assert body("completion-echo")["choices"][0]["text"].startswith("The quick brown fox")
+    assert len(body("completion-batch")["choices"]) == 2
+    assert body("chat-token-ids")["choices"][0]["token_ids"]
+    streamed = body("chat-stream-tools-named")
+    assert any(
+        event["choices"] and event["choices"][0]["delta"].get("tool_calls")
+        for event in streamed
+        if isinstance(event, dict)
+    )
+    error = send(direct, by_name["error-stream-top-logprobs"])
+    assert error.status == 200 and error.error is not None  # vLLM's in-band error frame
+
+
+# -- the official openai client ------------------------------------------------------------------
+
+SDK_FIELDS = {CHAT: ("model", "messages", "stream"), COMPLETIONS: ("model", "prompt", "stream")}
+
+
+def sdk_call(client: openai.OpenAI, case: Case) -> Any:
+    """``case`` through the SDK: its own fields named, vLLM's extras in ``extra_body``."""
+    named = {key: case.body[key] for key in SDK_FIELDS[case.route] if key in case.body}
+    extra = {key: value for key, value in case.body.items() if key not in named}
+    api = client.chat.completions if case.route == CHAT else client.completions
+    try:
+        result = api.create(**named, extra_body=extra)  # type: ignore[call-overload]
+        if case.stream:
+            return [chunk.model_dump() for chunk in result]
+        return result.model_dump()
+    except openai.APIStatusError as exc:
+        return {"raised": type(exc).__name__, "status": exc.status_code}
+
+
+@pytest.fixture
+def sdk_clients(vllm_url: str, narwhal_url: str) -> tuple[openai.OpenAI, openai.OpenAI]:
+    return (
+        openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", max_retries=2),
+        openai.OpenAI(base_url=f"{narwhal_url}/v1", api_key="unused", max_retries=2),
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_openai_client_sees_what_vllm_gives(
+    case: Case, sdk_clients: tuple[openai.OpenAI, openai.OpenAI], vllm_url: str
+) -> None:
+    to_vllm, to_narwhal = sdk_clients
+    expected = normalise(sdk_call(to_vllm, case))
+    before = httpx.get(f"{vllm_url}/metrics").text
+    actual = normalise(sdk_call(to_narwhal, case))
+    after = httpx.get(f"{vllm_url}/metrics").text
+    found = differences(expected, actual)
+    assert not found, f"{case.name} differs from vLLM:\n" + "\n".join(found)
+    if not case.own_error:  # one SDK call is one POST at the engine: nothing was retried
+        posts = metric(after, "http_requests_total", handler=case.route) - metric(
+            before, "http_requests_total", handler=case.route
+        )
+        assert posts == 1, f"{case.name}: {posts:g} POSTs reached vLLM for one SDK call"
