@@ -7,7 +7,6 @@ import re
 import pytest
 
 from narwhal.sim import SimEngine, profile
-from tests.sim.captures import CHUNKS
 from tests.sim.helpers import (
     CHAT,
     MODEL,
@@ -18,6 +17,7 @@ from tests.sim.helpers import (
     plan_events,
     skeleton,
 )
+from tests.sim.wire_033 import CHUNKS
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import orjson
 import pytest
 
 from narwhal.sim import SimEngine
-from tests.sim.captures import CHUNKS, STREAMS
 from tests.sim.helpers import (
     CHAT,
     COMPLETIONS,
@@ -21,6 +20,7 @@ from tests.sim.helpers import (
     plan_events,
     skeleton,
 )
+from tests.sim.wire_033 import CHUNKS, STREAMS
 
 
 @pytest.fixture
