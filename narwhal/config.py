@@ -7,6 +7,8 @@ type are refused with the key's dotted path (``admission.queue_limit``,
 
 from __future__ import annotations
 
+import os
+import re
 import tomllib
 import types
 import typing
@@ -28,6 +30,7 @@ __all__ = [
     "MonitoringConfig",
     "ServingConfig",
     "UpstreamConfig",
+    "api_key_from",
     "check_bind",
     "check_resources",
     "config_from_mapping",
@@ -80,6 +83,42 @@ def _profile(instance: object, attribute: attrs.Attribute[Any], value: str) -> N
     if value not in PROFILES:
         known = ", ".join(repr(name) for name in sorted(PROFILES))
         raise ConfigError(f"unknown profile {value!r} (known: {known})")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _api_key_env(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value:
+        api_key_from(value)
+
+
+def api_key_from(variable: str) -> str:
+    """The API key held by the environment variable ``variable`` (``engines[].api_key_env``).
+
+    Error messages name the variable, never its value.
+
+    Raises:
+        ConfigError: ``variable`` is not a variable's name, is unset or empty, or holds
+            something that cannot be sent as a bearer token (printable ASCII without spaces).
+    """
+    if not _ENV_NAME.fullmatch(variable):
+        # Not echoed: it may be the key itself, written where its variable's name belongs.
+        raise ConfigError(
+            "must be the name of an environment variable holding the key (letters, digits and "
+            "underscores), never the key itself"
+        )
+    key = os.environ.get(variable)
+    if key is None:
+        raise ConfigError(f"the environment variable {variable} is not set")
+    if not key:
+        raise ConfigError(f"the environment variable {variable} is empty")
+    if not (key.isascii() and key.isprintable()) or " " in key:
+        raise ConfigError(
+            f"the environment variable {variable} does not hold a usable API key "
+            "(printable ASCII without spaces)"
+        )
+    return key
 
 
 def _url(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -139,11 +178,27 @@ class EngineConfig:
     token_ids: bool | None = None
     prefill_concurrency: int | None = attrs.field(default=None, validator=_positive)
     decode_concurrency: int | None = attrs.field(default=None, validator=_positive)
+    # The name of the environment variable holding the engine's API key (vLLM's --api-key);
+    # empty: none. The key itself is never in the configuration.
+    api_key_env: str = attrs.field(default="", validator=_api_key_env)
 
     @property
     def wants_token_ids(self) -> bool:
         """Whether to ask this engine for token IDs (default: only the vllm dialect)."""
         return self.dialect == "vllm" if self.token_ids is None else self.token_ids
+
+    def api_key(self) -> str | None:
+        """The engine's API key, read from ``api_key_env`` now; ``None`` without one.
+
+        Raises:
+            ConfigError: the variable is no longer set (or usable); the message names the key.
+        """
+        if not self.api_key_env:
+            return None
+        try:
+            return api_key_from(self.api_key_env)
+        except ConfigError as exc:
+            raise ConfigError(f"engine {self.name}: api_key_env: {exc}") from None
 
 
 @attrs.frozen

@@ -164,6 +164,71 @@ def test_unusable_config_files_are_one_line(
     assert one_line(capsys.readouterr().err).startswith(f"{path}: {message}")
 
 
+ENGINE_WITH_KEY = "[[engines]]\nname = 'a'\nurl = 'http://x:1'\napi_key_env = {!r}\n"
+
+
+def test_check_config_shows_the_api_keys_variable_never_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ENGINE_A_KEY", "sk-secret-42")
+    path = tmp_path / "config.toml"
+    path.write_text(ENGINE_WITH_KEY.format("ENGINE_A_KEY"))
+    assert load_config(path).engines[0].api_key() == "sk-secret-42"
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert 'api_key_env = "ENGINE_A_KEY"' in out and "sk-secret-42" not in out
+    # What check-config prints loads back, and an engine without a key shows an empty name.
+    printed = tmp_path / "printed.toml"
+    printed.write_text(out)
+    assert load_config(printed).engines[0].api_key_env == "ENGINE_A_KEY"
+    path.write_text(ENGINE_WITH_KEY.replace("api_key_env = {!r}\n", ""))
+    assert main(["check-config", str(path)]) == 0
+    assert 'api_key_env = ""' in capsys.readouterr().out
+    assert load_config(path).engines[0].api_key() is None
+
+
+@pytest.mark.parametrize(
+    ("value", "environment", "message"),
+    [
+        ("ENGINE_A_KEY", None, "the environment variable ENGINE_A_KEY is not set"),
+        ("ENGINE_A_KEY", "", "the environment variable ENGINE_A_KEY is empty"),
+        (
+            "ENGINE_A_KEY",
+            "sk secret",
+            "the environment variable ENGINE_A_KEY does not hold a usable API key",
+        ),
+        (
+            "ENGINE_A_KEY",
+            "sk-\u00e9t\u00e9",
+            "the environment variable ENGINE_A_KEY does not hold a usable API key",
+        ),
+        ("sk-secret-42", None, "must be the name of an environment variable holding the key"),
+    ],
+)
+def test_an_unusable_api_key_env_names_the_key_never_the_value(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+    environment: str | None,
+    message: str,
+) -> None:
+    if environment is None:
+        monkeypatch.delenv("ENGINE_A_KEY", raising=False)
+    else:
+        monkeypatch.setenv("ENGINE_A_KEY", environment)
+    path = tmp_path / "config.toml"
+    path.write_text(ENGINE_WITH_KEY.format(value))
+    with pytest.raises(ConfigError, match=re.escape(f"engines[0].api_key_env: {message}")):
+        load_config(path)
+    assert main(["check-config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert "sk-" not in err
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "sk-" not in capsys.readouterr().err
+
+
 def test_a_config_built_in_code_may_have_no_engines() -> None:
     assert Config().engines == ()
 

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from narwhal.bench.inprocess import ASGIStreamTransport, run_lifespan
-from narwhal.config import Config, EngineConfig, MonitoringConfig, ServingConfig
+from narwhal.config import Config, ConfigError, EngineConfig, MonitoringConfig, ServingConfig
 from narwhal.logs import NO_REQUEST, RequestIdFilter, current_request_id, request_context
 from narwhal.router import Router
 from narwhal.sim.engine import SimEngine
@@ -347,3 +347,80 @@ def test_the_command_lines_log_format_shows_the_request_id() -> None:
     lines = done.stderr.splitlines()
     assert lines[0].endswith(" INFO narwhal.upstream.exchange [-]: polled")
     assert lines[1].endswith(" WARNING narwhal.upstream.exchange [req-9]: attempt failed")
+
+
+# -- item 8: per-engine API keys ---------------------------------------------------------------
+
+KEY = "sk-test-0123456789abcdef"
+
+
+async def test_the_key_goes_with_every_call_to_its_engine_and_nowhere_else(
+    start_front: StartFront,
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("ENGINE_A_KEY", KEY)
+    guarded = StandIn("vllm-a", api_key=KEY)
+    open_ = StandIn("vllm-b")
+    front = await start_front(
+        {engine("vllm-a", api_key_env="ENGINE_A_KEY"): guarded, engine("vllm-b"): open_}
+    )
+    for stream in (True, False):
+        for _ in range(2):  # whichever engine is chosen
+            assert (await chat(front, stream=stream)).status_code == 200
+    calls = {(method, path) for method, path, _ in guarded.seen}
+    assert calls >= {
+        ("GET", "/health"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),  # the token-ID probe
+        ("POST", "/v1/chat/completions"),
+    }
+    assert {headers.get("authorization") for _, _, headers in guarded.seen} == {f"Bearer {KEY}"}
+    assert {headers.get("authorization") for _, _, headers in open_.seen} == {None}
+    shown = [
+        caplog.text,
+        (await front.client.get("/ready")).text,
+        (await front.client.get("/metrics")).text,
+        repr(front.router.config),
+        repr(front.router.pool.engines[0].client.http.headers),  # type: ignore[attr-defined]
+    ]
+    assert not [text for text in shown if KEY in text]
+
+
+@pytest.mark.parametrize(
+    ("api_key_env", "reason"),
+    [
+        ("", "the engine wants an API key: set engines[].api_key_env"),
+        ("ENGINE_A_KEY", "the engine refused the API key in ENGINE_A_KEY"),
+    ],
+)
+async def test_an_engine_that_refuses_says_why_it_has_not_joined(
+    start_front: StartFront,
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    api_key_env: str,
+    reason: str,
+) -> None:
+    monkeypatch.setenv("ENGINE_A_KEY", "not-the-key")
+    front = await start_front(
+        {engine("vllm-a", api_key_env=api_key_env): StandIn("vllm-a", api_key=KEY)},
+        wait_ready=False,
+    )
+    await trio.sleep(3)
+    ready = await front.client.get("/ready")
+    assert ready.status_code == 503
+    assert ready.json()["engines"][0]["reason"] == f"joining: /v1/models answered 401 ({reason})"
+    assert "not-the-key" not in ready.text
+
+
+def test_a_key_gone_from_the_environment_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_A_KEY", KEY)
+    config = Config(engines=(engine("vllm-a", api_key_env="ENGINE_A_KEY"),))
+    monkeypatch.delenv("ENGINE_A_KEY")
+    with pytest.raises(
+        ConfigError,
+        match="engine vllm-a: api_key_env: the environment variable ENGINE_A_KEY is not set",
+    ):
+        Router(config)

@@ -105,8 +105,15 @@ class EngineClient:
         )
         if transport is None and engine.url.startswith("http://"):
             transport = EngineTransport(max_connections=upstream.max_connections, timeout=timeout)
+        # The engine's API key goes with every call made through this client: requests, polls
+        # and probes (httpx masks it in the headers' repr; nothing logs headers).
+        key = engine.api_key()
         self.http = httpx.AsyncClient(
-            base_url=engine.url, timeout=timeout, limits=limits, transport=transport
+            base_url=engine.url,
+            timeout=timeout,
+            limits=limits,
+            transport=transport,
+            headers=None if key is None else {"authorization": f"Bearer {key}"},
         )
 
     async def aclose(self) -> None:

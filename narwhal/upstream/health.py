@@ -265,8 +265,16 @@ class HealthPoller:
             log.debug("engine %s: GET %s failed: %r", self.engine.name, path, exc)
             failure = transport_failure(exc) or Failure("protocol", "malformed HTTP answer")
             raise _PollFailed(failure) from exc
-        if response.status_code != 200:
-            raise _PollFailed(Failure("unhealthy", f"{path} answered {response.status_code}"))
+        status = response.status_code
+        if status in (401, 403):  # vLLM started with --api-key guards /v1/models
+            told = (
+                f"the engine refused the API key in {self.engine.config.api_key_env}"
+                if self.engine.config.api_key_env
+                else "the engine wants an API key: set engines[].api_key_env"
+            )
+            raise _PollFailed(Failure("unhealthy", f"{path} answered {status} ({told})"))
+        if status != 200:
+            raise _PollFailed(Failure("unhealthy", f"{path} answered {status}"))
         return response.content
 
     async def _poll_routes(self) -> None:
