@@ -26,8 +26,14 @@ Errors and refusals). The web layer translates them to responses in exactly one 
     ├── Unavailable                    503 backend_unavailable / router_*  unavailable
     └── UpstreamFailure                502                              failed
         ├── EngineError                502 engine_error
-        │   └── EngineUnreachable      502 engine_error (the engine leaves placement)
+        │   ├── EngineUnreachable      502 engine_error (the engine leaves placement)
+        │   └── EngineAttemptsFailed   502 engine_error (Narwhal's retry spent: x-should-retry)
         └── EngineResponseError        502 unsupported_engine_field / malformed_engine_response
+
+Every 502 that a client's retry cannot cure says ``x-should-retry: false``: the attempts before
+response headers are Narwhal's to retry (:class:`EngineAttemptsFailed`), and a malformed or
+unsupported answer would come again (:class:`EngineResponseError`). The one 502 without it is a
+non-streaming answer that broke after its output had begun, which Narwhal does not retry.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "CapacityRejection",
+    "EngineAttemptsFailed",
     "EngineError",
     "EngineRejectedRequest",
     "EngineResponseError",
@@ -159,7 +166,11 @@ class RequestTimeout(InvalidRequest):
 
 
 class EngineRejectedRequest(InvalidRequest):
-    """The engine answered a 4xx: the envelope is normalised, the status kept."""
+    """The engine answered a 4xx, or sent an in-band error frame with a 4xx ``code``.
+
+    The envelope is normalised, the status kept; it is the client's error, never retried on
+    another engine and never counted against the engine.
+    """
 
     def __init__(
         self, message: str, *, status: int, param: str | None = None, code: str | None = None
@@ -299,6 +310,18 @@ class EngineError(UpstreamFailure):
 
 class EngineUnreachable(EngineError):
     """No connection to the engine could be made: it leaves placement until it rejoins."""
+
+
+class EngineAttemptsFailed(EngineError):
+    """Every attempt before response headers failed (the retry too, or no engine could take it).
+
+    Narwhal's own retry is spent, so the client is told not to add its own
+    (``x-should-retry: false``): the openai client would otherwise send the request twice more,
+    each time tried on two engines.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
 
 
 class EngineResponseError(UpstreamFailure):

@@ -71,6 +71,20 @@ class ErrorFrameEvent:
         message = self.error.get("message") if isinstance(self.error, dict) else None
         return str(message) if message else "the engine reported an error mid-stream"
 
+    def rejection(self) -> EngineRejectedRequest | None:
+        """The frame as the client's error when its ``code`` is a 4xx status, else ``None``.
+
+        vLLM writes the status of the error as the frame's ``code`` (``400`` for a bad
+        parameter it checks only once the stream has begun); a numeric string counts too. The
+        envelope is normalised as for an engine's 4xx answer (:func:`normalise_engine_error`).
+        A frame with a 5xx code, or none, is an engine failure (``None`` here).
+        """
+        status = _client_status(self.error.get("code"))
+        if status is None:
+            return None
+        param, code = _param_and_code(self.error)
+        return EngineRejectedRequest(self.message(), status=status, param=param, code=code)
+
 
 @attrs.frozen(slots=True)
 class DoneEvent:
@@ -248,8 +262,9 @@ def normalise_engine_error(
 ) -> EngineError | EngineRejectedRequest:
     """Turn an engine's error answer (nested, flat or bare) into a Narwhal error.
 
-    A 4xx keeps its status and the engine's ``param`` (with FastAPI's ``body.`` prefix
-    stripped); a 5xx becomes :class:`EngineError`, which the caller may retry elsewhere.
+    A 4xx keeps its status, the engine's ``code`` (as a string: vLLM's ``400`` becomes
+    ``"400"``) and the engine's ``param`` (with FastAPI's ``body.`` prefix stripped); a 5xx
+    becomes :class:`EngineError`, which the caller may retry elsewhere.
     """
     message, param, code = f"engine {engine} answered HTTP {status}", None, None
     try:
@@ -263,13 +278,37 @@ def normalise_engine_error(
         elif isinstance(error, dict):
             if isinstance(error.get("message"), str):
                 message = error["message"]
-            if isinstance(error.get("param"), str):
-                param = error["param"].removeprefix("body.")
-            if isinstance(error.get("code"), str) and error["code"]:
-                code = error["code"]
+            param, code = _param_and_code(error)
     if 400 <= status < 500:
         return EngineRejectedRequest(message, status=status, param=param, code=code)
     return EngineError(f"engine {engine} answered HTTP {status}: {message}")
+
+
+def _param_and_code(error: dict[str, Any]) -> tuple[str | None, str | None]:
+    """An engine's error object's ``param`` and ``code``, each ``None`` when unusable.
+
+    ``param`` loses FastAPI's ``body.`` prefix; ``code`` is a non-empty string as is, an
+    integer (vLLM's status) as its digits.
+    """
+    param = error.get("param")
+    code = error.get("code")
+    if type(code) is int:
+        code = str(code)
+    return (
+        param.removeprefix("body.") if isinstance(param, str) else None,
+        code if isinstance(code, str) and code else None,
+    )
+
+
+def _client_status(code: object) -> int | None:
+    """``code`` as a 4xx HTTP status (an integer or a string of digits), else ``None``."""
+    if type(code) is int:
+        status = code
+    elif isinstance(code, str) and code.isascii() and code.isdigit() and len(code) == 3:
+        status = int(code)
+    else:
+        return None
+    return status if 400 <= status < 500 else None
 
 
 class UpstreamStream:

@@ -1,9 +1,15 @@
 """One request's conversation with the engines, up to and after response headers.
 
 Before headers, Narwhal may still change its mind: a connection error, an engine 5xx, an in-band
-error frame, a token-ID violation or a malformed event is retried once on a different eligible
-engine, else the client gets a 502 (docs: Request lifecycle). Events read before the
-decision are held and flushed right after the headers.
+error frame (but one whose ``code`` is a 4xx), a token-ID violation or a malformed event is
+retried once on a different eligible engine, else the client gets a 502 that tells it not to
+retry (``x-should-retry: false``: Narwhal's own retry is spent; docs: Request lifecycle). Events
+read before the decision are held and flushed right after the headers.
+
+The engine's 4xx, as an HTTP answer or as an in-band error frame whose ``code`` is a 4xx status
+(vLLM checks some parameters only once the stream has begun), is the client's error: it is
+raised as :class:`~narwhal.errors.EngineRejectedRequest` whenever it comes, never retried, and
+never counted against the engine.
 
 The module holds no deadlines: the caller opens the request's cancel scopes around these calls.
 """
@@ -18,6 +24,7 @@ import attrs
 import trio
 
 from narwhal.errors import (
+    EngineAttemptsFailed,
     EngineError,
     EngineResponseError,
     UpstreamFailure,
@@ -119,7 +126,9 @@ class Exchange:
         then idles, breaks or sends garbage has still answered in full.
 
         Raises:
-            EngineError: an in-band error frame, or the body ended before any choice finished.
+            EngineRejectedRequest: an in-band error frame whose ``code`` is a 4xx status.
+            EngineError: any other in-band error frame, or the body ended before any choice
+                finished.
             EngineResponseError: a malformed event or a token-ID violation.
         """
         if self.complete:
@@ -129,6 +138,16 @@ class Exchange:
             self.observe(event)
             return event
         if isinstance(event, ErrorFrameEvent):
+            rejected = event.rejection()
+            if rejected is not None:
+                log.info(
+                    "request %s: engine %s refused the request in-band (%d): %s",
+                    self.stream.request_id,
+                    self.engine.name,
+                    rejected.http_status,
+                    rejected.message,
+                )
+                raise rejected
             raise EngineError(f"engine {self.engine.name} reported an error: {event.message()}")
         if not event.clean and not self.finished:
             raise EngineError(f"engine {self.engine.name} ended its stream before finishing")
@@ -165,7 +184,8 @@ class Exchange:
         """Read and hold events until one justifies sending response headers.
 
         Raises:
-            EngineError: an error frame, or the stream ended before any output or finish.
+            EngineRejectedRequest: an in-band error frame whose ``code`` is a 4xx status.
+            EngineError: another error frame, or the stream ended before any output or finish.
             EngineResponseError: a malformed event or a token-ID violation.
         """
         while True:
@@ -211,11 +231,15 @@ async def open_exchange(
     called with the TTFT when the first output event arrives.
 
     Before headers, a failed attempt is retried once, on a different eligible engine with a free
-    prefill slot now; without one, or when the retry fails too, the answer is a 502.
+    prefill slot now; without one, or when the retry fails too, the answer is a 502 with
+    ``x-should-retry: false``.
 
     Raises:
-        EngineRejectedRequest: the engine refused the request (4xx); not retried.
-        UpstreamFailure: both attempts failed, or the first did and no other engine had room.
+        EngineRejectedRequest: the engine refused the request (a 4xx answer, or an in-band
+            error frame with a 4xx code); not retried, not an engine failure.
+        UpstreamFailure: both attempts failed, or the first did and no other engine had room
+            (:class:`~narwhal.errors.EngineAttemptsFailed`, or the last
+            :class:`~narwhal.errors.EngineResponseError`).
     """
     failures: list[tuple[Engine, UpstreamFailure]] = []
     async with AsyncExitStack() as held:
@@ -256,11 +280,11 @@ async def open_exchange(
 def _give_up(failures: list[tuple[Engine, UpstreamFailure]]) -> UpstreamFailure:
     last = failures[-1][1]
     if isinstance(last, EngineResponseError):
-        return last
+        return last  # it says x-should-retry: false already
     if len(failures) == 1:
-        return EngineError(f"The engine failed to answer: {last.message}")
+        return EngineAttemptsFailed(f"The engine failed to answer: {last.message}")
     told = "; ".join(failure.message for _, failure in failures)
-    return EngineError(f"Both engines tried failed to answer: {told}")
+    return EngineAttemptsFailed(f"Both engines tried failed to answer: {told}")
 
 
 async def _attempt(

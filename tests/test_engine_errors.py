@@ -1,0 +1,429 @@
+"""What an engine's own errors become through Narwhal.
+
+vLLM checks some parameters only once a stream has begun (``top_logprobs`` over its maximum is
+a 200 carrying ``data: {"error": {..., "code": 400}}``): an in-band error frame whose code is a
+4xx is the client's error, answered with that status, never retried and never held against the
+engine. Every 502 that a retry cannot cure says ``x-should-retry: false``, so that the openai
+client does not multiply Narwhal's own retry. The frames are vLLM 0.32's own
+(``reference/vllm-0.32-cpu-captures/error_stream_bad_logprobs.txt``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import trio
+
+from narwhal.config import Config, EngineConfig, ServingConfig
+from narwhal.server import serve as serve_router
+from narwhal.upstream.client import ErrorFrameEvent, normalise_engine_error
+from tests.conftest import MODEL, Fleet, StartFleet
+from tests.support import sse_payloads
+from tests.test_transport import read_request, serve
+from tests.test_upstream_errors import answer, chunk
+
+# The capture's frame, byte for byte (vLLM writes it with json.dumps: spaces included).
+BAD_LOGPROBS = (
+    b'data: {"error": {"message": "Requested sample logprobs of 50, which is greater than max '
+    b'allowed: 20 (parameter=logprobs, value=50)", "type": "BadRequestError", "param": '
+    b'"logprobs", "code": 400}}\n\ndata: [DONE]\n\n'
+)
+INTERNAL = (
+    b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
+    b'"param": null, "code": 500}}\n\ndata: [DONE]\n\n'
+)
+SSE = {"content-type": "text/event-stream; charset=utf-8"}
+
+
+def frame(error: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def role_then(body: bytes) -> bytes:
+    """A role chunk and one output chunk, then ``body`` (an error after the first output)."""
+    output = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {"index": 0, "delta": {"content": "Hi"}, "finish_reason": None, "token_ids": [7]}
+        ],
+    }
+    return chunk(role="assistant", content="") + b"data: " + orjson.dumps(output) + b"\n\n" + body
+
+
+class _Body(httpx.AsyncByteStream):
+    """The body one event per read, as an engine writes them."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for event in self.body.split(b"\n\n")[:-1]:
+            await trio.sleep(0.001)
+            yield event + b"\n\n"
+
+
+class Scripted(httpx.AsyncBaseTransport):
+    """A simulated engine whose completion requests are answered with ``body`` while it is set.
+
+    Everything else (health, models) is the simulator's; ``posts`` counts the completion
+    requests answered here.
+    """
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.body: bytes | None = None
+        self.posts = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST" or self.body is None:
+            return await self.inner.handle_async_request(request)
+        self.posts += 1
+        return httpx.Response(200, headers=SSE, stream=_Body(self.body))
+
+
+def script(fleet: Fleet, body: bytes, engines: tuple[str, ...] | None = None) -> list[Scripted]:
+    """Answer every completion request of ``engines`` (default: all) with ``body``."""
+    scripted = []
+    for name in engines or tuple(fleet.plugs):
+        plug = fleet.plugs[name]
+        inner = plug.inner.inner if isinstance(plug.inner, Scripted) else plug.inner
+        plug.inner = Scripted(inner)
+        plug.inner.body = body
+        scripted.append(plug.inner)
+    return scripted
+
+
+def posts(scripted: list[Scripted]) -> int:
+    return sum(engine.posts for engine in scripted)
+
+
+def engine_failures(fleet: Fleet) -> list[int]:
+    return [engine.failed for engine in fleet.router.pool.engines]
+
+
+# -- the frame itself (pure) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [(400, 400), ("400", 400), (422, 422), (404, 404), ("429", 429)],
+)
+def test_a_4xx_code_makes_the_frame_the_clients_error(code: object, status: int) -> None:
+    event = ErrorFrameEvent(
+        {"message": "bad", "type": "BadRequestError", "param": "body.logprobs", "code": code}
+    )
+    rejected = event.rejection()
+    assert rejected is not None
+    assert rejected.http_status == status
+    assert rejected.envelope() == {
+        "error": {
+            "message": "bad",
+            "type": "invalid_request_error",
+            "param": "logprobs",
+            "code": str(status),
+        }
+    }
+    assert rejected.counted_as == "invalid_requests"
+
+
+@pytest.mark.parametrize("code", [500, "503", None, "invalid_value", True, 4000, "4e2", -400])
+def test_any_other_code_is_an_engine_failure(code: object) -> None:
+    assert ErrorFrameEvent({"message": "bad", "code": code}).rejection() is None
+    assert ErrorFrameEvent({"message": "no code at all"}).rejection() is None
+
+
+def test_an_engine_4xx_answer_keeps_its_integer_code_as_a_string() -> None:
+    body = (
+        b'{"error":{"message":"temperature must be non-negative, got -1.0.",'
+        b'"type":"BadRequestError","param":"temperature","code":400}}'
+    )
+    rejected = normalise_engine_error("gpu-1", 400, body)
+    assert rejected.http_status == 400
+    assert rejected.envelope()["error"] == {
+        "message": "temperature must be non-negative, got -1.0.",
+        "type": "invalid_request_error",
+        "param": "temperature",
+        "code": "400",
+    }
+    flat = normalise_engine_error("gpu-1", 400, b'{"message": "no", "code": ""}')
+    assert flat.code == "invalid_request"
+
+
+# -- before response headers ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_4xx_frame_before_headers_is_answered_with_its_status(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock, stream: bool
+) -> None:
+    fleet = await start_fleet()
+    scripted = script(fleet, BAD_LOGPROBS)
+    with trio.fail_after(30):
+        response = await fleet.chat(stream=stream, logprobs=True, top_logprobs=50)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert response.json() == {
+        "error": {
+            "message": "Requested sample logprobs of 50, which is greater than max allowed: 20 "
+            "(parameter=logprobs, value=50)",
+            "type": "invalid_request_error",
+            "param": "logprobs",
+            "code": "400",
+        }
+    }
+    assert posts(scripted) == 1, "never retried on another engine"
+    counters = fleet.counters()
+    assert (counters["invalid_requests"], counters["failed"]) == (1, 0)
+    assert engine_failures(fleet) == [0, 0]
+    assert all(engine.eligible for engine in fleet.router.pool.engines)
+    fleet.assert_quiescent()
+
+
+async def test_many_4xx_frames_never_open_a_circuit(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet([("sim-a", "vllm")])
+    scripted = script(fleet, BAD_LOGPROBS)
+    threshold = fleet.router.config.monitoring.failure_threshold
+    with trio.fail_after(30):
+        for _ in range(threshold * 3):
+            assert (await fleet.chat(stream=True)).status_code == 400
+    assert posts(scripted) == threshold * 3
+    engine = fleet.router.pool.engines[0]
+    assert engine.eligible and engine.failed == 0
+    assert engine.statistics().health.state == "ready"
+    fleet.assert_quiescent()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [INTERNAL, frame({"message": "no code"}), b'data: {"error": "text only"}\n\ndata: [DONE]\n\n'],
+    ids=["code-500", "no-code", "bare-string"],
+)
+async def test_a_5xx_or_code_less_frame_is_retried_on_the_other_engine(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock, body: bytes
+) -> None:
+    fleet = await start_fleet()
+    scripted = script(fleet, body, ("sim-a",))
+    with trio.fail_after(30):
+        for _ in range(4):  # whichever engine is chosen first, the answer is whole
+            response = await fleet.chat(stream=True, narwhal_sim={"output_tokens": 3})
+            assert response.status_code == 200, response.text
+            assert sse_payloads(response.text)[-1] == "[DONE]"
+    assert fleet.counters()["completed"] == 4
+    assert posts(scripted) >= 1
+    fleet.assert_quiescent()
+
+
+# -- after response headers ---------------------------------------------------------------------
+
+
+async def test_a_4xx_frame_after_headers_is_relayed_in_band_normalised(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    scripted = script(fleet, role_then(BAD_LOGPROBS))
+    with trio.fail_after(30):
+        response = await fleet.chat(stream=True)
+    assert response.status_code == 200
+    payloads = sse_payloads(response.text)
+    assert payloads[-1] == "[DONE]"
+    assert json.loads(payloads[-2]) == {
+        "error": {
+            "message": "Requested sample logprobs of 50, which is greater than max allowed: 20 "
+            "(parameter=logprobs, value=50)",
+            "type": "invalid_request_error",
+            "param": "logprobs",
+            "code": "400",
+        }
+    }
+    assert any('"Hi"' in payload for payload in payloads[:-2]), "the output went out first"
+    assert posts(scripted) == 1
+    counters = fleet.counters()
+    assert (counters["invalid_requests"], counters["failed"]) == (1, 0)
+    assert engine_failures(fleet) == [0, 0]
+    fleet.assert_quiescent()
+
+
+async def test_a_5xx_frame_after_headers_stays_an_engine_error_in_band(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    scripted = script(fleet, role_then(INTERNAL))
+    with trio.fail_after(30):
+        response = await fleet.chat(stream=True)
+    error = json.loads(sse_payloads(response.text)[-2])["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "engine_error")
+    assert "Internal server error" in error["message"]
+    assert posts(scripted) == 1
+    assert fleet.counters()["failed"] == 1
+    fleet.assert_quiescent()
+
+
+async def test_a_4xx_frame_after_output_of_a_non_streaming_request_keeps_its_status(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    script(fleet, role_then(BAD_LOGPROBS))
+    with trio.fail_after(30):
+        response = await fleet.chat()
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "logprobs"
+    assert fleet.counters()["invalid_requests"] == 1
+    fleet.assert_quiescent()
+
+
+# -- every 502 a retry cannot cure says so ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    ("fault", "code"),
+    [
+        ("http_500", "engine_error"),
+        ("http_503", "engine_error"),
+        ("error_frame", "engine_error"),
+        ("truncate", "engine_error"),
+        ("drop", "engine_error"),
+        ("non_json", "malformed_engine_response"),
+        ("malformed_token_ids", "malformed_engine_response"),
+        ("unsupported_field", "unsupported_engine_field"),
+    ],
+)
+async def test_both_attempts_failing_says_do_not_retry(
+    start_fleet: StartFleet,
+    autojump_clock: trio.testing.MockClock,
+    fault: str,
+    code: str,
+    stream: bool,
+) -> None:
+    fleet = await start_fleet()
+    with trio.fail_after(30):
+        response = await fleet.chat(stream=stream, narwhal_sim={"fault": fault})
+    if fault == "unsupported_field" and stream:
+        assert response.status_code == 200  # forwarded as is: streams keep the engine's shape
+        return
+    assert response.status_code == 502, response.text
+    assert response.headers["x-should-retry"] == "false"
+    assert response.json()["error"]["code"] == code
+    fleet.assert_quiescent()
+
+
+async def test_no_other_engine_for_the_retry_says_do_not_retry(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet([("sim-a", "vllm")])
+    with trio.fail_after(30):
+        failed = await fleet.chat(stream=True, narwhal_sim={"fault": "http_500"})
+        fleet.plugs["sim-a"].down = True
+        unreachable = await fleet.chat()
+    for response in (failed, unreachable):
+        assert response.status_code == 502, response.text
+        assert response.headers["x-should-retry"] == "false"
+        assert response.json()["error"]["message"].startswith("The engine failed to answer:")
+    assert fleet.completions_received() == 1
+    fleet.assert_quiescent()
+
+
+async def test_a_non_streaming_answer_broken_after_its_output_may_be_retried(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Narwhal does not retry it (output had begun): the client may.
+    fleet = await start_fleet()
+    with trio.fail_after(30):
+        response = await fleet.chat(narwhal_sim={"fault": "error_frame", "fault_at": 3})
+    assert response.status_code == 502
+    assert "x-should-retry" not in response.headers
+    assert fleet.completions_received() == 1
+
+
+# -- through the official openai client, on real sockets -----------------------------------------
+
+
+class FrameEngine:
+    """A raw-socket engine: healthy probes; each completion request answered with ``body``."""
+
+    def __init__(self) -> None:
+        self.body = BAD_LOGPROBS
+        self.posts = 0
+
+    async def __call__(self, stream: trio.SocketStream, number: int) -> None:
+        while head := await read_request(stream):
+            target = head.split(b" ")[1]
+            if target == b"/health":
+                await stream.send_all(answer(b""))
+            elif target == b"/v1/models":
+                await stream.send_all(answer(orjson.dumps({"data": [{"id": MODEL}]})))
+            else:
+                self.posts += 1
+                await stream.send_all(answer(self.body, b"text/event-stream"))
+
+
+@pytest.fixture
+async def frame_engines(nursery: trio.Nursery) -> AsyncIterator[tuple[str, list[FrameEngine]]]:
+    engines = [FrameEngine(), FrameEngine()]
+    configs = []
+    for index, engine in enumerate(engines):
+        url, _ = await serve(nursery, engine)
+        configs.append(EngineConfig(name=f"raw-{index}", url=url, token_ids=False))
+    config = Config(serving=ServingConfig(model=MODEL), engines=tuple(configs))
+    urls = await nursery.start(partial(serve_router, config, bind="127.0.0.1:0"))
+    async with httpx.AsyncClient() as client:
+        with trio.fail_after(20):
+            while (await client.get(f"{urls[0]}/ready")).status_code != 200:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+    yield urls[0], engines
+
+
+def sdk_call(url: str, stream: bool) -> Callable[[], object]:
+    def call() -> object:
+        # The client's default retries (two), as users run it.
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=20) as client:
+            return client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hello"}],
+                logprobs=True,
+                top_logprobs=50,
+                stream=stream,
+            )
+
+    return call
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("stream", [True, False])
+async def test_openai_gets_a_bad_request_from_one_post(
+    frame_engines: tuple[str, list[FrameEngine]], stream: bool
+) -> None:
+    url, engines = frame_engines
+    with trio.fail_after(30), pytest.raises(openai.BadRequestError) as raised:
+        await trio.to_thread.run_sync(sdk_call(url, stream))
+    assert raised.value.status_code == 400
+    assert raised.value.param == "logprobs"
+    assert raised.value.code == "400"
+    assert sum(engine.posts for engine in engines) == 1
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("stream", [True, False])
+async def test_openai_does_not_retry_narwhals_502(
+    frame_engines: tuple[str, list[FrameEngine]], stream: bool
+) -> None:
+    url, engines = frame_engines
+    for engine in engines:
+        engine.body = INTERNAL
+    with trio.fail_after(30), pytest.raises(openai.InternalServerError) as raised:
+        await trio.to_thread.run_sync(sdk_call(url, stream))
+    assert raised.value.status_code == 502
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    assert [engine.posts for engine in engines] == [1, 1], "Narwhal's one retry, nothing more"
