@@ -123,7 +123,8 @@ def create_app(
 
     @app.after_request
     async def identify(response: Response) -> Response:
-        # Every answer carries a request id, as vLLM's do (the completion routes set their own).
+        # Every answer carries a request id (the completion routes set their own), as vLLM's
+        # do when started with --enable-request-id-headers.
         if "x-request-id" not in response.headers:
             given = {"x-request-id": request.headers.get("x-request-id", "")}
             response.headers["x-request-id"] = request_id(given)
