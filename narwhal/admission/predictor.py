@@ -24,6 +24,13 @@ follow (docs: Errors and refusals): when even the prompt alone, on the fastest i
 engine, cannot meet the budget, waiting cannot help (429 ``prompt_exceeds_ttft_budget``); when
 the projection is strictly over the budget, the client is told when to come back (429
 ``ttft_budget_exceeded`` with the overrun as ``Retry-After``).
+
+Only engines whose context holds the prompt are considered (:mod:`narwhal.admission.context`).
+A prompt longer than every eligible engine's context is not refused at all: the engine refuses
+it with its own 400, at once, and the queue places it at once. Its projection is what it would
+see if the engine served it after all (its size, at most that context, placed now on the
+engine the queue will choose), marked :attr:`Projection.beyond_context` so that
+:func:`check_budget` lets it through.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from narwhal.admission.context import beyond_context, fits, placed_size
 from narwhal.admission.queue import Waiter
 from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.engines import Engine
@@ -53,6 +61,8 @@ class Projection:
         own_prefill_s: the request's own prefill.
         prompt_alone_s: the prompt alone on the fastest idle eligible engine.
         engine: where it would go.
+        beyond_context: the prompt is longer than every eligible engine's context: the engine
+            is to refuse it, so admission does not.
     """
 
     ttft_s: float
@@ -61,6 +71,7 @@ class Projection:
     own_prefill_s: float
     prompt_alone_s: float
     engine: str
+    beyond_context: bool = False
 
 
 class _Running:
@@ -252,6 +263,9 @@ def project(
         for slot in engine.slots
     )
     plans = [_EnginePlan(engine, census, now) for engine in engines if engine.eligible]
+    over = beyond_context(engines, request.prompt_tokens, request.need_token_ids)
+    if over is not None:
+        return _beyond_context(over, request, now, elapsed_s, overhead_s, margin)
     for waiter in ahead:
         plan = _earliest(plans, waiter.prompt_tokens, waiter.need_token_ids)
         if plan is not None:
@@ -264,7 +278,8 @@ def project(
     alone = min(
         p.engine.forecast.standalone_s(request.prompt_tokens)
         for p in plans
-        if p.engine.provides_token_ids or not request.need_token_ids
+        if (p.engine.provides_token_ids or not request.need_token_ids)
+        and fits(p.engine, request.prompt_tokens)
     )
     typical = elapsed_s + (first_token_at - now) + overhead_s
     return Projection(
@@ -277,6 +292,34 @@ def project(
     )
 
 
+def _beyond_context(
+    engine: Engine,
+    request: Waiter,
+    now: float,
+    elapsed_s: float,
+    overhead_s: float,
+    margin: float,
+) -> Projection:
+    """A prompt longer than every context: what it would see if ``engine`` served it anyway.
+
+    It is placed at once (no queue ahead, no wait for a seat), sized at most at the context.
+    """
+    forecast = engine.forecast
+    tokens = placed_size(engine, request.prompt_tokens)
+    start = max(now, forecast.free_at)
+    first_token_at = forecast.predict(tokens, now)
+    typical = elapsed_s + (first_token_at - now) + overhead_s
+    return Projection(
+        ttft_s=typical * margin,
+        typical_s=typical,
+        wait_s=start - now,
+        own_prefill_s=first_token_at - start,
+        prompt_alone_s=forecast.standalone_s(tokens) + overhead_s,
+        engine=engine.name,
+        beyond_context=True,
+    )
+
+
 def _earliest(
     plans: Sequence[_EnginePlan], tokens: int, need_token_ids: bool
 ) -> _EnginePlan | None:
@@ -285,6 +328,8 @@ def _earliest(
     for plan in plans:
         if need_token_ids and not plan.engine.provides_token_ids:
             continue
+        if not fits(plan.engine, tokens):
+            continue
         at = plan.first_token(tokens)
         if best is None or at < best_at:
             best, best_at = plan, at
@@ -292,12 +337,14 @@ def _earliest(
 
 
 def check_budget(projection: Projection, budget_s: float) -> None:
-    """Refuse a projection over budget.
+    """Refuse a projection over budget; never a prompt beyond every context (the engine's 400).
 
     Raises:
         PredictiveRefusal: ``prompt_exceeds_ttft_budget`` when the prompt alone is over the
             budget; ``ttft_budget_exceeded`` when the projection is strictly over it.
     """
+    if projection.beyond_context:
+        return
     if projection.prompt_alone_s > budget_s:
         raise PredictiveRefusal.prompt_too_long(projection.prompt_alone_s, budget_s)
     if projection.ttft_s > budget_s:

@@ -12,6 +12,13 @@ A channel cannot be inspected, and the TTFT projection needs the work ahead, so 
 keeps an ordered record of the live, unplaced requests (the one the dispatcher holds included).
 ``queue_limit`` counts that record: a request that leaves (its client went away, its wait ran
 out) stops counting at once, even while its entry still sits in the channel.
+
+Placement honours the engines' context length (:mod:`narwhal.admission.context`): a request
+goes only to an engine whose context holds its prompt, and a prompt longer than every eligible
+engine's context does not queue at all: it is placed at once on the engine with the longest
+context, which refuses it with its own 400 (or serves it, if the prompt was sized too long).
+Waiting could not change that answer, and such a request at the head of the queue would hold up
+everyone behind it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from narwhal.admission.context import beyond_context, placed_size, too_short
 from narwhal.errors import CapacityRejection, Expired, NarwhalError, Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, Slot
 
@@ -55,13 +63,18 @@ class Waiter:
 
 @attrs.frozen
 class QueueStatistics:
-    """A snapshot of the admission queue."""
+    """A snapshot of the admission queue.
+
+    ``placed_over_context`` counts the placements of prompts longer than every eligible
+    engine's context (placed at once, for the engine to refuse).
+    """
 
     depth: int
     limit: int
     enqueued: int
     placed: int
     refused_unavailable: int
+    placed_over_context: int
 
 
 class AdmissionQueue:
@@ -82,6 +95,7 @@ class AdmissionQueue:
         self._enqueued = 0
         self._placed = 0
         self._unavailable = 0
+        self._placed_over = 0
 
     # -- the request's side ---------------------------------------------------------------------
 
@@ -92,16 +106,33 @@ class AdmissionQueue:
     def place_now(self, waiter: Waiter) -> Slot | None:
         """Place at once when nobody waits and an engine has room: the queue's order holds.
 
-        Saves the hop through the dispatcher on an unloaded router.
+        Saves the hop through the dispatcher on an unloaded router. A prompt longer than every
+        eligible engine's context is placed at once whoever waits.
         """
-        if self._waiting:
-            return None
-        engine = self.pool.best(waiter.prompt_tokens, need_token_ids=waiter.need_token_ids)
+        slot = self._over_context(waiter)
+        if slot is None and not self._waiting:
+            engine = self._best(waiter)
+            slot = None if engine is None else _take(engine, waiter)
+        if slot is not None:
+            self._enqueued += 1
+            self._placed += 1
+        return slot
+
+    def _best(self, waiter: Waiter) -> Engine | None:
+        """The engine to place ``waiter`` on now, among those whose context holds its prompt."""
+        return self.pool.best(
+            waiter.prompt_tokens,
+            exclude=too_short(self.pool, waiter.prompt_tokens),
+            need_token_ids=waiter.need_token_ids,
+        )
+
+    def _over_context(self, waiter: Waiter) -> Slot | None:
+        """A place for a prompt longer than every eligible engine's context, else ``None``."""
+        engine = beyond_context(self.pool, waiter.prompt_tokens, waiter.need_token_ids)
         if engine is None:
             return None
-        self._enqueued += 1
-        self._placed += 1
-        return _take(engine, waiter)
+        self._placed_over += 1
+        return _take(engine, waiter, placed_size(engine, waiter.prompt_tokens))
 
     @asynccontextmanager
     async def placement(self, waiter: Waiter, wait_s: float) -> AsyncIterator[Slot]:
@@ -183,9 +214,13 @@ class AdmissionQueue:
                 if not self.pool.any_eligible(need_token_ids=waiter.need_token_ids):
                     self._refuse_unservable()
                     break
-                engine = self.pool.best(waiter.prompt_tokens, need_token_ids=waiter.need_token_ids)
-                if engine is not None:
-                    self._decide(waiter, slot=_take(engine, waiter))
+                # The engine that held its prompt may have left: it may be over context now.
+                slot = self._over_context(waiter)
+                if slot is None:
+                    engine = self._best(waiter)
+                    slot = None if engine is None else _take(engine, waiter)
+                if slot is not None:
+                    self._decide(waiter, slot=slot)
                     self._placed += 1
                     break
                 await self.pool.wait_changed()
@@ -221,11 +256,13 @@ class AdmissionQueue:
             enqueued=self._enqueued,
             placed=self._placed,
             refused_unavailable=self._unavailable,
+            placed_over_context=self._placed_over,
         )
 
 
-def _take(engine: Engine, waiter: Waiter) -> Slot:
-    return Slot.take(engine, waiter.prompt_tokens, route=waiter.route, max_tokens=waiter.max_tokens)
+def _take(engine: Engine, waiter: Waiter, tokens: int | None = None) -> Slot:
+    size = waiter.prompt_tokens if tokens is None else tokens
+    return Slot.take(engine, size, route=waiter.route, max_tokens=waiter.max_tokens)
 
 
 def _queue_full() -> CapacityRejection:
