@@ -20,6 +20,11 @@ made exact):
 * ``usage`` is the engine's when it sent one, else computed from the prompt's length and the
   measured output.
 
+The assembled body has a generic shape unless the engine's dialect says how its own
+non-streaming answer looks (a :class:`ResponseShape`, from :mod:`narwhal.upstream.dialects`):
+then every key of that answer is present, in its order, with the dialect's value for "unset"
+where the stream did not carry it.
+
 Anything else that carries a value is refused, so that what a client receives is never silently
 missing a part of the answer: :class:`~narwhal.errors.EngineResponseError` with code
 ``unsupported_engine_field`` for an unknown choice, delta or tool-call field (``audio``,
@@ -36,7 +41,7 @@ import attrs
 
 from narwhal.errors import EngineResponseError
 
-__all__ = ["Assembler"]
+__all__ = ["OPTIONAL", "Assembler", "ResponseShape"]
 
 _UNSUPPORTED: Final = "unsupported_engine_field"
 _MALFORMED: Final = "malformed_engine_response"
@@ -47,6 +52,60 @@ _STOP_KEYS: Final = ("stop_reason", "matched_stop")
 
 # Sentinel for "this chunk did not carry the key" (None is a value engines do send).
 _ABSENT: Final[Any] = object()
+
+OPTIONAL: Final[Any] = _ABSENT
+"""In a :class:`ResponseShape` table: the key takes its place in the order when the assembled
+body has it, and is left out otherwise."""
+
+Keys = tuple[tuple[str, Any], ...]
+
+
+@attrs.frozen
+class ResponseShape:
+    """How a dialect's own non-streaming answer looks, where its stream does not say.
+
+    Each table lists one level's keys in the engine's order, each with the value it has when
+    unset (or :data:`OPTIONAL`); the assembled keys a table does not list follow in their own
+    order. An empty table leaves that level as assembled.
+
+    Attributes:
+        top: the response object's keys.
+        choice: a choice's keys.
+        message: a chat message's keys.
+        usage: the usage object's keys.
+        logprobs: the keys of a choice's ``logprobs`` object, in order (default: every key
+            assembly understands for the route); arrays the engine sent under other understood
+            keys still appear.
+        empty_content: ``message.content`` when no content arrived, nor tool calls nor
+            reasoning.
+        empty_content_beside: ``message.content`` when no content arrived but tool calls, a
+            function call or reasoning did.
+    """
+
+    top: Keys = ()
+    choice: Keys = ()
+    message: Keys = ()
+    usage: Keys = ()
+    logprobs: tuple[str, ...] | None = None
+    empty_content: str | None = None
+    empty_content_beside: str | None = None
+
+
+_GENERIC: Final = ResponseShape()
+
+
+def _shaped(built: dict[str, Any], keys: Keys) -> dict[str, Any]:
+    """``built`` in the table's order, unset keys filled in; ``built`` itself when no table."""
+    if not keys:
+        return built
+    shaped: dict[str, Any] = {}
+    for key, unset in keys:
+        if key in built:
+            shaped[key] = built.pop(key)
+        elif unset is not _ABSENT:
+            shaped[key] = unset
+    shaped.update(built)
+    return shaped
 
 
 def _malformed(param: str, expected: str) -> EngineResponseError:
@@ -126,6 +185,7 @@ class Assembler:
             (how vLLM answers a request without ``return_token_ids``).
         prompt_tokens_estimate: the sizing estimate of the prompt's length in tokens, used for
             ``usage.prompt_tokens`` when the engine sends neither usage nor prompt token IDs.
+        shape: the engine's own answer shape (``None``: the generic one).
     """
 
     def __init__(
@@ -134,8 +194,10 @@ class Assembler:
         *,
         expose_token_ids: bool,
         prompt_tokens_estimate: int,
+        shape: ResponseShape | None = None,
     ) -> None:
         self._chat = route == "chat"
+        self._shape = _GENERIC if shape is None else shape
         self._expose = expose_token_ids
         self._prompt_estimate = prompt_tokens_estimate
         self._metadata: dict[str, Any] = {}
@@ -366,15 +428,18 @@ class Assembler:
             EngineResponseError: ``malformed_engine_response`` when an assembled tool call lacks
                 an ID or a function name, or a legacy ``function_call`` lacks a name.
         """
+        shape = self._shape
         body = dict(self._metadata)
         body["object"] = "chat.completion" if self._chat else "text_completion"
         body["choices"] = [
-            self._assemble_choice(self._choices[index]) for index in sorted(self._choices)
+            _shaped(self._assemble_choice(self._choices[index]), shape.choice)
+            for index in sorted(self._choices)
         ]
-        body["usage"] = self._usage if self._usage is not None else self._computed_usage()
+        usage = self._usage if self._usage is not None else self._computed_usage()
+        body["usage"] = _shaped(dict(usage), shape.usage) if shape.usage else usage
         if self._prompt_token_ids_key:
             body["prompt_token_ids"] = self._prompt_token_ids if self._expose else None
-        return body
+        return _shaped(body, shape.top)
 
     def _assemble_choice(self, state: _Choice) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": state.index}
@@ -382,7 +447,7 @@ class Assembler:
             choice["message"] = self._assemble_message(state)
         else:
             choice["text"] = "".join(state.text)
-        choice["logprobs"] = state.logprobs
+        choice["logprobs"] = self._assemble_logprobs(state)
         choice["finish_reason"] = state.finish_reason
         choice.update(state.stops)
         if state.token_ids_key:
@@ -392,16 +457,33 @@ class Assembler:
             choice["prompt_token_ids"] = state.prompt_token_ids if self._expose else None
         return choice
 
+    def _assemble_logprobs(self, state: _Choice) -> dict[str, list[Any] | None] | None:
+        arrays = state.logprobs
+        keys = self._shape.logprobs
+        if arrays is None or keys is None:
+            return arrays
+        logprobs = {key: arrays.get(key) for key in keys}
+        for key, array in arrays.items():
+            if array is not None:
+                logprobs.setdefault(key, array)
+        return logprobs
+
     def _assemble_message(self, state: _Choice) -> dict[str, Any]:
+        shape = self._shape
+        reasoning = _join(state.reasoning)
+        reasoning_content = _join(state.reasoning_content)
+        content = _join(state.content)
+        if content is None:
+            beside = bool(state.tool_calls) or state.function_call is not None
+            beside = beside or reasoning is not None or reasoning_content is not None
+            content = shape.empty_content_beside if beside else shape.empty_content
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": _join(state.content),
+            "content": content,
             "refusal": _join(state.refusal),
         }
-        reasoning = _join(state.reasoning)
         if reasoning is not None:
             message["reasoning"] = reasoning
-        reasoning_content = _join(state.reasoning_content)
         if reasoning_content is not None:
             message["reasoning_content"] = reasoning_content
         if state.function_call is not None:
@@ -433,7 +515,7 @@ class Assembler:
                     }
                 )
             message["tool_calls"] = calls
-        return message
+        return _shaped(message, shape.message)
 
     def _computed_usage(self) -> dict[str, int]:
         if self._prompt_token_ids is not None:

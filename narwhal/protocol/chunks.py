@@ -10,6 +10,8 @@ Three jobs, all on the hot path (every relayed chunk passes through here once):
 * **Repair for the client**: put back what the router itself asked for (token IDs, a usage
   chunk) the way the engine would have sent it without the request, and coalesce several
   fragments of one tool call inside a delta (openai-python before 3.14 mis-assembles them).
+  A chat chunk that exists only because IDs were asked for (:func:`only_hidden_ids`) is not
+  forwarded at all.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import attrs
 
 from narwhal.errors import EngineResponseError
 
-__all__ = ["ChunkFacts", "Exposure", "expose", "inspect_chunk"]
+__all__ = ["ChunkFacts", "Exposure", "expose", "inspect_chunk", "only_hidden_ids"]
 
 _TEXT_KEYS = ("content", "reasoning", "reasoning_content", "refusal")
 
@@ -159,6 +161,39 @@ def expose(chunk: dict[str, Any], route: str, exposure: Exposure) -> bool:
                     delta["tool_calls"] = merged
                     changed = True
     return changed
+
+
+# What every chunk carries (its identity), and what the router hides or does not count as
+# content of its own: the token IDs, and continuous usage, which the next chunk repeats.
+_CHUNK_IDENTITY = frozenset(("id", "object", "created", "model", "choices"))
+_HIDDEN_TOP = frozenset(("prompt_token_ids", "usage"))
+_HIDDEN_CHOICE = frozenset(("index", "delta", "token_ids", "prompt_token_ids"))
+
+
+def only_hidden_ids(chunk: dict[str, Any]) -> bool:
+    """Whether a chat chunk carries nothing for a client that did not ask for token IDs.
+
+    vLLM sends a chunk for every token when ``return_token_ids`` is set, even for a token whose
+    text its parsers hold back (``{"delta": {}, "token_ids": [161]}``); without the field it
+    sends no chunk for such a token. A chunk is such a chunk when it has at least one choice,
+    every choice has an empty delta and no other key with a value but its IDs (no finish, no
+    logprobs), and the chunk has no top-level key with a value but its identity, its prompt IDs
+    and continuous usage (which the next chunk repeats, counted further). A usage-only chunk
+    (no choices) is not one.
+    """
+    choices = chunk["choices"]
+    if not choices:
+        return False
+    for key, value in chunk.items():
+        if value is not None and key not in _CHUNK_IDENTITY and key not in _HIDDEN_TOP:
+            return False
+    for choice in choices:
+        if type(choice) is not dict or choice.get("delta"):
+            return False
+        for key, value in choice.items():
+            if value is not None and key not in _HIDDEN_CHOICE:
+                return False
+    return True
 
 
 def coalesce_tool_calls(calls: list[Any]) -> list[dict[str, Any]] | None:
