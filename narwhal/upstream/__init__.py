@@ -8,7 +8,7 @@ from narwhal.upstream.client import (
     UpstreamEvent,
     UpstreamStream,
 )
-from narwhal.upstream.dialects import upstream_body
+from narwhal.upstream.dialects import plan_upstream
 
 __all__ = [
     "ChunkEvent",
@@ -17,5 +17,5 @@ __all__ = [
     "ErrorFrameEvent",
     "UpstreamEvent",
     "UpstreamStream",
-    "upstream_body",
+    "plan_upstream",
 ]

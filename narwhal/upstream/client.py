@@ -32,12 +32,14 @@ from narwhal.upstream.transport import EngineTransport
 
 __all__ = [
     "MAX_EVENT_BYTES",
+    "MAX_WHOLE_BYTES",
     "ChunkEvent",
     "DoneEvent",
     "EngineClient",
     "ErrorFrameEvent",
     "UpstreamEvent",
     "UpstreamStream",
+    "WholeAnswer",
     "normalise_engine_error",
     "transport_error",
     "transport_kind",
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_AFTER_DONE_S = 1.0
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # an engine event (SSE block) longer than this is malformed
+MAX_WHOLE_BYTES = 64 * 1024 * 1024  # a non-streaming answer longer than this is malformed
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -94,6 +97,16 @@ class DoneEvent:
 
 
 UpstreamEvent = ChunkEvent | ErrorFrameEvent | DoneEvent
+
+
+@attrs.frozen(slots=True)
+class WholeAnswer:
+    """An engine's non-streaming answer (a status below 400): its status and bytes, to relay
+    as they are, and its JSON."""
+
+    status: int
+    raw: bytes
+    body: dict[str, Any]
 
 
 class EngineClient:
@@ -174,6 +187,75 @@ class EngineClient:
             raise normalise_engine_error(self.engine.name, response.status_code, content)
         return UpstreamStream(
             self.engine.name, response, route, ids_required=ids_required, request_id=request_id
+        )
+
+    async def post_whole(
+        self,
+        route: Literal["chat", "completions"],
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> WholeAnswer:
+        """POST ``body`` (a request without ``stream``) and read the engine's whole answer.
+
+        The read timeout bounds each silence, as on a stream; the caller's cancel scopes bound
+        the whole call, and cancelling it closes the connection (the engine sees the client go
+        away).
+
+        Raises:
+            EngineUnreachable: no connection could be made.
+            EngineError: the engine answered 5xx, timed out or closed the connection.
+            EngineResponseError: the engine broke HTTP/1.1, or its answer is over
+                :data:`MAX_WHOLE_BYTES` or not a JSON object (``malformed_engine_response``).
+            EngineRejectedRequest: the engine answered 4xx (normalised envelope).
+        """
+        request = self.http.build_request(
+            "POST",
+            _PATHS[route],
+            content=body,
+            headers={"content-type": "application/json", "accept": "application/json"}
+            | dict(headers or {}),
+        )
+        request_id = (headers or {}).get("x-request-id", "-")
+        context = f"request {request_id}"
+        try:
+            response = await self.http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise transport_error(self.engine.name, exc, context) from exc
+        try:
+            parts: list[bytes] = []
+            size = 0
+            async for data in response.aiter_raw():
+                size += len(data)
+                if size > MAX_WHOLE_BYTES:
+                    if response.status_code < 400:
+                        raise self._malformed(
+                            request_id, f"an answer over {MAX_WHOLE_BYTES // 1048576} MiB"
+                        )
+                    break  # an error answer: its beginning says enough
+                parts.append(data)
+        except httpx.HTTPError as exc:
+            if response.status_code < 400:
+                raise transport_error(self.engine.name, exc, context) from exc
+        finally:
+            await response.aclose()
+        content = b"".join(parts)
+        if response.status_code >= 400:
+            raise normalise_engine_error(self.engine.name, response.status_code, content)
+        try:
+            decoded = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            decoded = None
+        if type(decoded) is not dict:
+            raise self._malformed(request_id, "an answer that is not a JSON object")
+        return WholeAnswer(response.status_code, content, decoded)
+
+    def _malformed(self, request_id: str, what: str) -> EngineResponseError:
+        log.warning("request %s: engine %s sent %s", request_id, self.engine.name, what)
+        return EngineResponseError(
+            f"engine {self.engine.name} sent {what}",
+            param=None,
+            code="malformed_engine_response",
         )
 
     async def get_json(self, path: str) -> Any:

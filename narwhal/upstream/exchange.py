@@ -17,8 +17,9 @@ The module holds no deadlines: the caller opens the request's cancel scopes arou
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TypeVar
 
 import attrs
 import trio
@@ -33,12 +34,20 @@ from narwhal.protocol.chunks import Exposure
 from narwhal.protocol.requests import CompletionRequest
 from narwhal.scheduling.engines import Engine, EnginePool, Slot
 from narwhal.upstream.client import ChunkEvent, ErrorFrameEvent, UpstreamStream
-from narwhal.upstream.dialects import upstream_body
+from narwhal.upstream.dialects import plan_upstream
 from narwhal.upstream.health import open_stream, record_failure
 
-__all__ = ["AFTER_COMPLETE_S", "Exchange", "Measurements", "open_exchange"]
+__all__ = [
+    "AFTER_COMPLETE_S",
+    "Exchange",
+    "Measurements",
+    "open_exchange",
+    "with_one_retry",
+]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 AFTER_COMPLETE_S = 0.25
 """How long the end of a complete answer (``[DONE]``) is waited for before it is ended anyway.
@@ -65,11 +74,28 @@ class Measurements:
     completion_tokens_reported: int | None = None
     usage_seen: bool = False
     gaps: list[float] = attrs.field(factory=list)
+    answered_at: float | None = None  # a non-streaming answer's arrival (no first token seen)
 
     @property
     def ttft(self) -> float | None:
         """Arrival to the first output event."""
         return None if self.first_output_at is None else self.first_output_at - self.arrival
+
+    @property
+    def end_to_end(self) -> float | None:
+        """Arrival to a non-streaming answer (:mod:`narwhal.upstream.whole`)."""
+        return None if self.answered_at is None else self.answered_at - self.arrival
+
+    def count_usage(self, usage: object) -> None:
+        """Take the prompt and output sizes an engine's usage object reports."""
+        self.usage_seen = True
+        if isinstance(usage, dict):
+            prompt = usage.get("prompt_tokens")
+            if type(prompt) is int and prompt > 0:
+                self.prompt_tokens_reported = prompt
+            completion = usage.get("completion_tokens")
+            if type(completion) is int and completion >= 0:
+                self.completion_tokens_reported = completion
 
 
 @attrs.define(eq=False)
@@ -106,15 +132,7 @@ class Exchange:
         self.measurements.output_tokens += facts.token_ids
         self.slot.generated(facts.token_ids or int(facts.output))
         if facts.usage:
-            self.measurements.usage_seen = True
-            usage = event.chunk["usage"]
-            if isinstance(usage, dict):
-                prompt = usage.get("prompt_tokens")
-                if type(prompt) is int and prompt > 0:
-                    self.measurements.prompt_tokens_reported = prompt
-                completion = usage.get("completion_tokens")
-                if type(completion) is int and completion >= 0:
-                    self.measurements.completion_tokens_reported = completion
+            self.measurements.count_usage(event.chunk["usage"])
         if facts.finish:
             self.finished = True
 
@@ -241,40 +259,65 @@ async def open_exchange(
             (:class:`~narwhal.errors.EngineAttemptsFailed`, or the last
             :class:`~narwhal.errors.EngineResponseError`).
     """
-    failures: list[tuple[Engine, UpstreamFailure]] = []
     async with AsyncExitStack() as held:
-        attempt_slot = slot
-        while True:
-            engine = attempt_slot.engine
-            try:
-                exchange = await _attempt(
-                    held, attempt_slot, request, Measurements(arrival, on_first_output), headers
-                )
-                break
-            except (EngineError, EngineResponseError) as exc:
-                attempt_slot.release()
-                log.warning(
-                    "request %s: attempt on engine %s failed: %s",
-                    (headers or {}).get("x-request-id", "-"),
-                    engine.name,
-                    exc.message,
-                )
-                engine.failed += 1
-                record_failure(engine, exc)
-                failures.append((engine, exc))
-            other = None
-            if len(failures) < 2:
-                other = pool.best(
-                    slot.prompt_tokens,
-                    exclude=[engine for engine, _ in failures],
-                    need_token_ids=request.wants_token_ids,
-                )
-            if other is None:
-                raise _give_up(failures)
-            attempt_slot = held.enter_context(
-                Slot.take(other, slot.prompt_tokens, route=slot.route, max_tokens=slot.max_tokens)
+
+        async def attempt(attempt_slot: Slot) -> Exchange:
+            measurements = Measurements(arrival, on_first_output)
+            return await _attempt(held, attempt_slot, request, measurements, headers)
+
+        yield await with_one_retry(held, pool, request, slot, attempt, headers=headers)
+
+
+async def with_one_retry(
+    held: AsyncExitStack,
+    pool: EnginePool,
+    request: CompletionRequest,
+    slot: Slot,
+    attempt: Callable[[Slot], Awaitable[_T]],
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> _T:
+    """``attempt(slot)``, and once more on a different engine if it fails before the client has
+    been sent anything: the retry policy of every upstream call (streams here, non-streaming
+    answers in :mod:`narwhal.upstream.whole`).
+
+    A failed attempt's slot is released at once (so that its engine's occupancy is true during
+    the retry); the retry's slot, taken on the eligible engine with a free prefill slot and the
+    earliest predicted first token, joins ``held``.
+
+    Raises:
+        EngineRejectedRequest: the engine refused the request; not retried.
+        UpstreamFailure: both attempts failed, or the first did and no other engine had room.
+    """
+    failures: list[tuple[Engine, UpstreamFailure]] = []
+    attempt_slot = slot
+    while True:
+        engine = attempt_slot.engine
+        try:
+            return await attempt(attempt_slot)
+        except (EngineError, EngineResponseError) as exc:
+            attempt_slot.release()
+            log.warning(
+                "request %s: attempt on engine %s failed: %s",
+                (headers or {}).get("x-request-id", "-"),
+                engine.name,
+                exc.message,
             )
-        yield exchange
+            engine.failed += 1
+            record_failure(engine, exc)
+            failures.append((engine, exc))
+        other = None
+        if len(failures) < 2:
+            other = pool.best(
+                slot.prompt_tokens,
+                exclude=[engine for engine, _ in failures],
+                need_token_ids=request.wants_token_ids,
+            )
+        if other is None:
+            raise _give_up(failures)
+        attempt_slot = held.enter_context(
+            Slot.take(other, slot.prompt_tokens, route=slot.route, max_tokens=slot.max_tokens)
+        )
 
 
 def _give_up(failures: list[tuple[Engine, UpstreamFailure]]) -> UpstreamFailure:
@@ -296,8 +339,7 @@ async def _attempt(
 ) -> Exchange:
     """One try on ``slot``'s engine; on success the open stream's close joins ``held``."""
     engine = slot.engine
-    token_ids = engine.provides_token_ids
-    body, exposure = upstream_body(request, token_ids=token_ids)
+    plan = plan_upstream(request, token_ids=engine.provides_token_ids)
     # The engine's circuit opening cancels this scope: the attempt fails at once, to be
     # retried on another engine, instead of waiting out the read timeout.
     with trio.CancelScope() as unresponsive:
@@ -305,10 +347,10 @@ async def _attempt(
         try:
             async with AsyncExitStack() as attempt:
                 stream = await open_stream(
-                    engine, request.route, body, ids_required=token_ids, headers=headers
+                    engine, request.route, plan.body, ids_required=plan.token_ids, headers=headers
                 )
                 attempt.push_async_callback(_close_stream, stream)
-                exchange = Exchange(request, engine, stream, exposure, slot, measurements)
+                exchange = Exchange(request, engine, stream, plan.exposure, slot, measurements)
                 await exchange.read_until_headers()
                 held.push_async_exit(attempt.pop_all())
                 return exchange

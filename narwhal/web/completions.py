@@ -38,12 +38,15 @@ from narwhal.errors import (
 )
 from narwhal.logs import request_context
 from narwhal.protocol.assembly import Assembler
-from narwhal.protocol.chunks import expose
+from narwhal.protocol.chunks import expose, only_hidden_ids
 from narwhal.protocol.requests import CompletionRequest, Route, parse_request
 from narwhal.protocol.sse import encode_data, encode_done
 from narwhal.router import LiveRequest, Router
+from narwhal.scheduling.engines import Slot
 from narwhal.upstream.client import ChunkEvent
+from narwhal.upstream.dialects import response_shape, streams_upstream
 from narwhal.upstream.exchange import Exchange, open_exchange
+from narwhal.upstream.whole import WholeExchange, open_whole
 from narwhal.web.client import Client, ClientGone, Receive, Send
 
 __all__ = ["parse_deadline_headers", "serve_completion"]
@@ -221,13 +224,12 @@ async def _answer(
         teach = partial(router.margin.observe, projection.typical_s, budget_s=budget)
     async with router.queue.placement(waiter, admission.admission_wait_s) as slot:
         router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
+        headers = {"x-request-id": client.request_id}
+        if not streams_upstream(parsed):
+            await _answer_whole(router, client, ticket, parsed, slot, arrival, headers)
+            return
         async with open_exchange(
-            router.pool,
-            parsed,
-            slot,
-            arrival,
-            headers={"x-request-id": client.request_id},
-            on_first_output=teach,
+            router.pool, parsed, slot, arrival, headers=headers, on_first_output=teach
         ) as exchange:
             try:
                 if parsed.stream:
@@ -248,12 +250,32 @@ def _no_engine() -> Unavailable:
     return Unavailable("No engine is eligible to serve this request; retry shortly.")
 
 
+async def _answer_whole(
+    router: Router,
+    client: Client,
+    ticket: Ticket,
+    parsed: CompletionRequest,
+    slot: Slot,
+    arrival: float,
+    headers: dict[str, str],
+) -> None:
+    """A non-streaming request that a stream would answer differently: it goes to the engine
+    as sent, and the engine's answer comes back as it is (:mod:`narwhal.upstream.whole`)."""
+    async with open_whole(router.pool, parsed, slot, arrival, headers=headers) as whole:
+        ticket.finish("completed")
+        whole.record_outcome(ok=True)
+        with contextlib.suppress(ClientGone):
+            await client.respond(whole.answer.status, whole.answer.raw)
+        _learn(router, whole)
+
+
 async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, Any]:
-    """Consume the whole upstream stream into one response body."""
+    """Consume the whole upstream stream into one response body, in the engine's own shape."""
     assembler = Assembler(
         parsed.route,
         expose_token_ids=parsed.wants_token_ids,
         prompt_tokens_estimate=exchange.slot.prompt_tokens,
+        shape=response_shape(exchange.engine.config.dialect, parsed),
     )
     for event in exchange.take_held():
         assembler.feed(event.chunk)
@@ -305,7 +327,9 @@ class _StreamRelay:
 
     A chunk is forwarded byte for byte unless a repair touched it. When the router forced the
     usage chunk, it is dropped, and its ``system_fingerprint`` moves to the finish chunk, which
-    is held back one event for that: that is where vLLM puts it without ``include_usage``.
+    is held back one event for that: that is where vLLM puts it without ``include_usage``. When
+    the router asked for token IDs the client did not want, a chat chunk left with nothing but
+    them is dropped: vLLM sends it only because IDs were asked for (its IDs are still counted).
     """
 
     __slots__ = ("_held_finish", "exchange")
@@ -325,8 +349,17 @@ class _StreamRelay:
                 if fingerprint is not None and "system_fingerprint" not in self._held_finish:
                     self._held_finish["system_fingerprint"] = fingerprint
             return self.finish()
+        route = self.exchange.request.route
+        if (
+            exposure.hide_token_ids
+            and facts.has_token_ids
+            and not (facts.output or facts.finish)
+            and route == "chat"
+            and only_hidden_ids(chunk)
+        ):
+            return self.finish()  # the engine sends it only because the router asked for IDs
         out.extend(self.finish())
-        changed = expose(chunk, self.exchange.request.route, exposure)
+        changed = expose(chunk, route, exposure)
         if facts.finish and exposure.drop_usage_chunk:
             self._held_finish = chunk
             return out
@@ -341,7 +374,7 @@ class _StreamRelay:
         return [encode_data(orjson.dumps(chunk))]
 
 
-def _learn(router: Router, exchange: Exchange) -> None:
+def _learn(router: Router, exchange: Exchange | WholeExchange) -> None:
     """Feed a completed request's measurements back: metrics and the prompt-size ratio."""
     measured = exchange.measurements
     metrics = router.metrics
