@@ -708,3 +708,17 @@ async def test_placement_avoids_an_engine_too_short_for_the_prompt(
     assert (limited["sim-a"].posts, limited["sim-b"].posts) == (1, 4)
     assert limited["sim-a"].refused == 0
     fleet.assert_quiescent()
+
+
+async def test_the_retry_never_goes_to_an_engine_too_short_for_the_prompt(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    limited = limit_context(fleet, {"sim-a": 1024, "sim-b": 65536})
+    fleet.set_directives("sim-b", {"fault": "http_500"})
+    with trio.fail_after(30):
+        response = await fleet.chat(messages=[{"role": "user", "content": "word " * 2400}])
+    assert response.status_code == 502, response.text
+    assert response.headers["x-should-retry"] == "false"
+    assert (limited["sim-a"].posts, limited["sim-b"].posts) == (0, 1)
+    fleet.assert_quiescent()

@@ -24,6 +24,7 @@ from typing import TypeVar
 import attrs
 import trio
 
+from narwhal.admission.context import too_short
 from narwhal.errors import (
     EngineAttemptsFailed,
     EngineError,
@@ -282,8 +283,8 @@ async def with_one_retry(
     answers in :mod:`narwhal.upstream.whole`).
 
     A failed attempt's slot is released at once (so that its engine's occupancy is true during
-    the retry); the retry's slot, taken on the eligible engine with a free prefill slot and the
-    earliest predicted first token, joins ``held``.
+    the retry); the retry's slot, taken on the eligible engine with a free prefill slot, a
+    context that holds the prompt and the earliest predicted first token, joins ``held``.
 
     Raises:
         EngineRejectedRequest: the engine refused the request; not retried.
@@ -308,9 +309,10 @@ async def with_one_retry(
             failures.append((engine, exc))
         other = None
         if len(failures) < 2:
+            # Never an engine too short for the prompt (it would answer a 400 of its own).
             other = pool.best(
                 slot.prompt_tokens,
-                exclude=[engine for engine, _ in failures],
+                exclude=[*(engine for engine, _ in failures), *too_short(pool, slot.prompt_tokens)],
                 need_token_ids=request.wants_token_ids,
             )
         if other is None:
