@@ -1,9 +1,9 @@
 """Assemble one non-streaming response from an engine's stream (pure, no I/O).
 
-Narwhal always streams upstream, even for a client that did not ask for a stream; for such a
-client the router feeds every decoded chunk to an :class:`Assembler` and answers with
-:meth:`Assembler.result`. The rules are the documented "Non-streaming assembly" (the seed's table,
-made exact):
+Narwhal streams upstream, even for a client that did not ask for a stream (but for the requests
+it sends as they are, :mod:`narwhal.upstream.whole`); for such a client the router feeds every
+decoded chunk to an :class:`Assembler` and answers with :meth:`Assembler.result`. The rules
+are the documented "Non-streaming assembly" (the seed's table, made exact):
 
 * ``content``, ``reasoning``, ``reasoning_content`` and ``refusal`` deltas concatenate, each under
   its own key; completions ``text`` concatenates.
