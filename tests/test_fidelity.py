@@ -42,6 +42,7 @@ from narwhal.web.app import create_app, get_router
 from tests.conftest import MODEL, StartFleet, engine_config
 from tests.sim.vllm_captures import capture
 from tests.support import sse_payloads, until
+from tests.test_health import faulty
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -534,3 +535,45 @@ async def test_whole_requests_share_the_prefill_slots_with_streams(
     # The stream waits for the whole answer (2 s): only then is the prefill slot free.
     assert sorted(done) == pytest.approx([2.0, 4.0], abs=1e-9)
     fleet.assert_quiescent()
+
+
+async def test_vllms_non_streaming_answer_is_relayed_byte_for_byte(
+    replay: Callable[..., Any], autojump_clock: trio.testing.MockClock
+) -> None:
+    client, engine = await replay(lambda body: "completions_nonstream_prompt_logprobs")
+    sent = {"model": "tiny", "prompt": "Hello", "prompt_logprobs": 1, "max_tokens": 3}
+    response = await client.post("/v1/completions", json=sent)
+    assert response.status_code == 200
+    assert response.content == capture("completions_nonstream_prompt_logprobs").body
+    assert engine.requests == [sent]
+
+
+async def test_a_whole_answer_that_is_not_json_is_a_502_that_says_not_to_retry(
+    replay: Callable[..., Any], autojump_clock: trio.testing.MockClock
+) -> None:
+    client, engine = await replay(lambda body: "health")  # a 200 with an empty body
+    response = await client.post(
+        "/v1/chat/completions", json={**CHAT, "stream": False, "echo": True}
+    )
+    assert response.status_code == 502
+    assert response.headers["x-should-retry"] == "false"
+    assert response.json()["error"]["code"] == "malformed_engine_response"
+    assert len(engine.requests) == 1  # the only engine: no other to retry on
+
+
+async def test_a_whole_call_waiting_on_an_engine_whose_circuit_opens_is_retried_at_once(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet()
+    hole = faulty(fleet, "sim-a", read_timeout_s=600)
+    await trio.sleep_until(10.5)
+    hole.mode = "black_hole"
+    with trio.fail_after(30):
+        response = await fleet.chat(prompt_logprobs=1, narwhal_sim={"output_tokens": 2})
+    assert response.status_code == 200
+    # The circuit opened at 14.0 (polls at 11, 12, 13): the call was cut then and sent to
+    # sim-b, instead of waiting out the 600 s read timeout.
+    assert trio.current_time() == pytest.approx(14.0, abs=0.1)
+    assert [body.get("stream") for body in received(fleet)] == [None]  # sim-b's; sim-a's hung
+    fleet.assert_quiescent()
+    assert fleet.counters()["completed"] == 1
