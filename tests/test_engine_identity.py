@@ -424,3 +424,41 @@ def test_a_key_gone_from_the_environment_stops_the_start(monkeypatch: pytest.Mon
         match="engine vllm-a: api_key_env: the environment variable ENGINE_A_KEY is not set",
     ):
         Router(config)
+
+
+# -- the token-ID probe ---------------------------------------------------------------------------
+
+
+class HeldBackProbe(StandIn):
+    """Answers the token probe the way vLLM 0.32 does when the sampled tokens are parts of one
+    character: chunks with IDs and no text yet (``reference/vllm-0.32-cpu-captures``)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            content = await request.aread()
+            if orjson.loads(content).get("prompt") == "Narwhal token probe":
+                self.seen.append((request.method, request.url.path, request.headers))
+                chunks = [
+                    {"index": 0, "text": "", "token_ids": [161], "finish_reason": None},
+                    {"index": 0, "text": "", "token_ids": [162], "finish_reason": "length"},
+                ]
+                frames = [{"object": "text_completion", "choices": [chunk]} for chunk in chunks]
+                events = b"".join(b"data: " + orjson.dumps(f) + b"\n\n" for f in frames)
+                return httpx.Response(
+                    200,
+                    stream=httpx.ByteStream(events + b"data: [DONE]\n\n"),
+                    headers={"content-type": "text/event-stream"},
+                )
+            request = httpx.Request(
+                request.method, request.url, headers=request.headers, content=content
+            )
+        return await super().handle_async_request(request)
+
+
+async def test_ids_without_text_still_show_the_engine_provides_them(
+    start_front: StartFront, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The probe once read only output events: two held-back tokens made a real vLLM
+    ``token_accounting: unavailable``, and every ``return_token_ids`` request a 400."""
+    front = await start_front({engine("vllm-a"): HeldBackProbe("vllm-a", card=VLLM_CARD)})
+    assert front.router.pool.engines[0].token_accounting == "token_ids"

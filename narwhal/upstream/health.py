@@ -318,7 +318,7 @@ class HealthPoller:
             }
         )
         client = client_of(self.engine)
-        saw_output = False
+        saw_ids = False
         try:
             async with await client.open_stream("completions", body, ids_required=False) as stream:
                 while True:
@@ -331,10 +331,11 @@ class HealthPoller:
                         )
                         raise _PollFailed(Failure("unhealthy", "the token probe got an error"))
                     assert isinstance(event, ChunkEvent)
-                    if event.facts.output:
-                        saw_output = True
-                        if not event.facts.has_token_ids:
-                            return "unavailable"
+                    # A token whose text the engine holds back (part of a character) comes as
+                    # a chunk with IDs and no text: IDs anywhere show the engine provides them.
+                    saw_ids = saw_ids or event.facts.has_token_ids
+                    if event.facts.output and not event.facts.has_token_ids:
+                        return "unavailable"
         except EngineRejectedRequest as exc:
             # The engine refuses the field: it joins, without token accounting.
             log.info("engine %s refused the token probe: %s", self.engine.name, exc.message)
@@ -343,4 +344,4 @@ class HealthPoller:
             log.debug("engine %s: token probe failed: %r", self.engine.name, exc)
             failure = transport_failure(exc) or Failure("unhealthy", "the token probe failed")
             raise _PollFailed(failure) from exc
-        return "token_ids" if saw_output else "unavailable"
+        return "token_ids" if saw_ids else "unavailable"
