@@ -202,6 +202,8 @@ def test_other_dialects_keep_the_generic_shape() -> None:
         ("chat", {"echo": True, "stream": True}, "echo", True),
         ("chat", {"include_reasoning": False, "stream": True}, "include_reasoning", True),
         ("chat", {"include_reasoning": False}, "include_reasoning", False),
+        ("chat", {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params", False),
+        ("completions", {"ec_transfer_params": {}}, "ec_transfer_params", False),
     ],
 )
 def test_requests_a_stream_or_token_ids_would_change_go_as_sent(
@@ -222,6 +224,7 @@ def test_other_requests_are_streamed_with_what_the_router_needs() -> None:
         request(echo=False, include_reasoning=True),
         # vLLM refuses prompt_logprobs on streams itself: the refusal reaches the client.
         request(stream=True, prompt_logprobs=1),
+        request(stream=True, kv_transfer_params={"do_remote_decode": True}),
     ):
         assert as_sent(parsed) is None and streams_upstream(parsed)
         body = orjson.loads(plan_upstream(parsed, token_ids=True).body)

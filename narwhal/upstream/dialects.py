@@ -18,7 +18,9 @@ stream, with none of the fields above added. The cases, from vLLM 0.32's serving
   non-streaming echo carries prompt logprobs (completions ``choices[i].prompt_logprobs``, chat's
   top-level ``prompt_logprobs``) that no stream carries;
 * ``include_reasoning: false`` (chat): behind a reasoning or tool parser vLLM then sends no
-  token IDs at all, so asking for them would fail every output event.
+  token IDs at all, so asking for them would fail every output event;
+* ``kv_transfer_params`` or ``ec_transfer_params`` on a non-streaming request (disaggregated
+  serving): the engine's transfer parameters come back in the non-streaming answer only.
 
 The non-streaming answer the router assembles from a stream takes its engine's own shape
 (:func:`response_shape`): vLLM writes every field of its response models, null when unset, where
@@ -50,6 +52,9 @@ __all__ = [
 
 _NOTHING_HIDDEN: Final = Exposure(hide_token_ids=False, drop_usage_chunk=False)
 
+# Fields whose answer only vLLM's non-streaming response carries.
+_WHOLE_ONLY: Final = ("prompt_logprobs", "kv_transfer_params", "ec_transfer_params")
+
 
 @attrs.frozen
 class UpstreamPlan:
@@ -73,13 +78,15 @@ class UpstreamPlan:
 def as_sent(request: CompletionRequest) -> str | None:
     """The field that makes ``request`` go to the engine exactly as the client sent it, if any.
 
-    Returns ``"prompt_logprobs"``, ``"echo"`` or ``"include_reasoning"`` (see the module's
-    docstring), else ``None``. A value of the wrong type counts too: the engine answers it with
-    its own 400, which reaches the client as it would have without Narwhal.
+    Returns the field's name (see the module's docstring), else ``None``. A value of the wrong
+    type counts too: the engine answers it with its own 400, which reaches the client as it
+    would have without Narwhal.
     """
     body = request.body
-    if body.get("prompt_logprobs") is not None and not request.stream:
-        return "prompt_logprobs"
+    if not request.stream:
+        for key in _WHOLE_ONLY:
+            if body.get(key) is not None:
+                return key
     if body.get("echo") not in (None, False):
         return "echo"
     if request.route == "chat" and body.get("include_reasoning") not in (None, True):
