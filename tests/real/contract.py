@@ -98,8 +98,8 @@ class Answer:
         """The error envelope's inside, for a whole error answer or a stream's error event."""
         if not self.streamed:
             if self.status >= 400 and isinstance(self.body, dict):
-                inside = self.body.get("error")
-                return inside if isinstance(inside, dict) else None
+                whole = self.body.get("error")
+                return whole if isinstance(whole, dict) else None
             return None
         for event in self.body:
             if isinstance(event, dict) and isinstance(event.get("error"), dict):
@@ -167,10 +167,41 @@ def differences(expected: Any, actual: Any, path: str = "") -> list[str]:
     return []
 
 
+def early_rejection(answer: Answer) -> int | None:
+    """The 4xx code of a stream that is only an in-band error frame (vLLM's 200 carrying
+    ``{"error": {..., "code": 400}}``), which Narwhal answers with that status (docs: Errors)."""
+    if not answer.streamed or answer.status != 200:
+        return None
+    events = [event for event in answer.body if event != "[DONE]"]
+    if len(events) != 1 or answer.error is None:
+        return None
+    code = answer.error.get("code")
+    code = int(code) if isinstance(code, str) and code.isdigit() else code
+    return code if type(code) is int and 400 <= code < 500 else None
+
+
+def by_choice(events: list[Any]) -> dict[Any, list[Any]]:
+    """A stream's events, one list per choice index (usage-only and ``[DONE]`` apart).
+
+    Several choices (batch prompts) interleave as the engine's steps happen to finish: their
+    order across choices is timing, their order within a choice is the answer.
+    """
+    lanes: dict[Any, list[Any]] = {}
+    for event in events:
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+            lane = choices[0].get("index")
+        else:
+            lane = "usage" if isinstance(event, dict) and event.get("usage") else str(event)[:20]
+        lanes.setdefault(lane, []).append(event)
+    return lanes
+
+
 def compare(case: Case, direct: Answer, routed: Answer) -> list[str]:
     """What differs between vLLM's own answer and Narwhal's, for ``case``."""
     found: list[str] = []
-    if direct.status != routed.status:
+    expected_status = early_rejection(direct) or direct.status
+    if expected_status != routed.status:
         found.append(f"status: {routed.status}, vLLM {direct.status}")
     expected_error, actual_error = direct.error, routed.error
     if expected_error is not None or actual_error is not None:
@@ -192,4 +223,7 @@ def compare(case: Case, direct: Answer, routed: Answer) -> list[str]:
         return found
     if direct.streamed != routed.streamed:
         return [*found, f"streamed: {routed.streamed}, vLLM {direct.streamed}"]
-    return [*found, *differences(normalise(direct.body), normalise(routed.body))]
+    expected, actual = normalise(direct.body), normalise(routed.body)
+    if direct.streamed:
+        expected, actual = by_choice(expected), by_choice(actual)
+    return [*found, *differences(expected, actual)]

@@ -24,6 +24,7 @@ from tests.real.contract import (
     TOOLS,
     USAGE,
     Case,
+    by_choice,
     chat,
     compare,
     completion,
@@ -148,12 +149,29 @@ def sdk_call(client: openai.OpenAI, case: Case) -> Any:
     extra = {key: value for key, value in case.body.items() if key not in named}
     api = client.chat.completions if case.route == CHAT else client.completions
     try:
-        result = api.create(**named, extra_body=extra)  # type: ignore[call-overload]
+        result = api.create(**named, extra_body=extra)
         if case.stream:
-            return [chunk.model_dump() for chunk in result]
+            return by_choice([chunk.model_dump() for chunk in result])
         return result.model_dump()
-    except openai.APIStatusError as exc:
-        return {"raised": type(exc).__name__, "status": exc.status_code}
+    except openai.APIError as exc:
+        return sdk_error(case, exc)
+
+
+def sdk_error(case: Case, exc: openai.APIError) -> dict[str, Any]:
+    """What a client learns from an SDK error: the status (an in-band frame's code, where the
+    SDK raised mid-stream: Narwhal answers those with the status), the param, the message."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    body = body.get("error", body) if isinstance(body.get("error"), dict) else body
+    status = exc.status_code if isinstance(exc, openai.APIStatusError) else exc.code
+    status = int(status) if isinstance(status, str) and status.isdigit() else status
+    param = body.get("param")
+    seen = {
+        "status": status,
+        "param": param.removeprefix("body.") if isinstance(param, str) else param,
+    }
+    if not case.own_error:
+        seen["message"] = body.get("message")
+    return seen
 
 
 @pytest.fixture
