@@ -168,16 +168,32 @@ def differences(expected: Any, actual: Any, path: str = "") -> list[str]:
 
 
 def early_rejection(answer: Answer) -> int | None:
-    """The 4xx code of a stream that is only an in-band error frame (vLLM's 200 carrying
-    ``{"error": {..., "code": 400}}``), which Narwhal answers with that status (docs: Errors)."""
-    if not answer.streamed or answer.status != 200:
+    """The 4xx code of a stream that errs before any output: vLLM's 200 carrying
+    ``{"error": {..., "code": 400}}`` (after a role chunk at most), which Narwhal answers with
+    that status, its response headers not yet sent (docs: Errors)."""
+    if not answer.streamed or answer.status != 200 or answer.error is None:
         return None
-    events = [event for event in answer.body if event != "[DONE]"]
-    if len(events) != 1 or answer.error is None:
-        return None
+    for event in answer.body:
+        if isinstance(event, dict) and "error" in event:
+            break
+        if not _role_only(event):
+            return None
     code = answer.error.get("code")
     code = int(code) if isinstance(code, str) and code.isdigit() else code
     return code if type(code) is int and 400 <= code < 500 else None
+
+
+def _role_only(event: Any) -> bool:
+    """A chat chunk whose only news is the role (with vLLM's empty content)."""
+    if not isinstance(event, dict) or not isinstance(event.get("choices"), list):
+        return False
+    return all(
+        isinstance(choice, dict)
+        and choice.get("finish_reason") is None
+        and set(choice.get("delta") or {}) <= {"role", "content"}
+        and not (choice.get("delta") or {}).get("content")
+        for choice in event["choices"]
+    )
 
 
 def by_choice(events: list[Any]) -> dict[Any, list[Any]]:

@@ -119,8 +119,11 @@ def test_matrix_exercises_what_it_names(direct: httpx.Client) -> None:
         assert answer.status == 200, (name, answer.body)
         return answer.body
 
-    assert body("chat-tools-required")["choices"][0]["message"]["tool_calls"]
-    assert body("chat-tools-named")["choices"][0]["message"]["tool_calls"]
+    for name in ("chat-tools-required", "chat-tools-named"):
+        # Greedy decoding of the tiny model never closes the call: whole, vLLM gives it back as
+        # text; streamed, as tool-call deltas (below).
+        message = body(name)["choices"][0]["message"]
+        assert message.get("tool_calls") or "<tool_call>" in message["content"], name
     assert body("chat-reasoning")["choices"][0]["message"]["reasoning"]
     assert body("chat-stop")["choices"][0]["finish_reason"] == "stop"
     assert body("completion-stop")["choices"][0]["finish_reason"] == "stop"
@@ -128,12 +131,12 @@ def test_matrix_exercises_what_it_names(direct: httpx.Client) -> None:
     assert body("completion-echo")["choices"][0]["text"].startswith("The quick brown fox")
     assert len(body("completion-batch")["choices"]) == 2
     assert body("chat-token-ids")["choices"][0]["token_ids"]
-    streamed = body("chat-stream-tools-named")
-    assert any(
-        event["choices"] and event["choices"][0]["delta"].get("tool_calls")
-        for event in streamed
-        if isinstance(event, dict)
-    )
+    for name in ("chat-stream-tools-named", "chat-stream-tools-required"):
+        assert any(
+            event["choices"] and event["choices"][0]["delta"].get("tool_calls")
+            for event in body(name)
+            if isinstance(event, dict)
+        ), name
     error = send(direct, by_name["error-stream-top-logprobs"])
     assert error.status == 200 and error.error is not None  # vLLM's in-band error frame
 
