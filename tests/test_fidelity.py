@@ -29,6 +29,7 @@ from narwhal.config import AdmissionConfig, Config, ServingConfig, UpstreamConfi
 from narwhal.protocol.assembly import Assembler
 from narwhal.protocol.chunks import only_hidden_ids
 from narwhal.protocol.requests import parse_request
+from narwhal.scheduling.engines import Slot
 from narwhal.upstream.dialects import (
     VLLM_CHAT,
     VLLM_CHAT_FORCED_TOOL,
@@ -469,9 +470,16 @@ async def test_an_engines_refusal_of_a_whole_request_is_the_clients_error_and_no
     assert fleet.counters()["invalid_requests"] == 1
 
 
-async def test_a_whole_request_holds_its_prefill_slot_and_meets_its_deadline(
+def placed_slot(fleet: Any) -> Slot:
+    """The one slot placed on the fleet's engines."""
+    [slot] = [slot for engine in fleet.router.pool.engines for slot in engine.slots]
+    return slot
+
+
+async def test_a_whole_request_decodes_from_its_predicted_first_token_and_meets_its_deadline(
     start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
 ) -> None:
+    """No first token can be seen: the prefill slot is given up at the predicted one."""
     fleet = await start_fleet([engine_config("sim-a")])
     slow = {"prompt_logprobs": 1, "narwhal_sim": {"ttft_s": 2.0, "itl_s": 1.0, "output_tokens": 9}}
     start = trio.current_time()
@@ -489,9 +497,16 @@ async def test_a_whole_request_holds_its_prefill_slot_and_meets_its_deadline(
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(late)
-            await trio.sleep(3)  # past the first token: a stream would be decoding now
+            await until(lambda: fleet.router.pool.engines[0].prefill == 1)
+            slot = placed_slot(fleet)
+            learned = slot.engine.forecast.scale, slot.engine.forecast.latency_s
+            await trio.sleep_until(slot.predicted_first_token_at)
+            await trio.testing.wait_all_tasks_blocked()
             [engine] = fleet.router.statistics().engines
-            assert (engine.prefill, engine.decode) == (1, 0)
+            assert (engine.prefill, engine.decode) == (0, 1)
+            assert slot.phase == "decode"
+            # Nothing learned from a first token nobody saw.
+            assert (slot.engine.forecast.scale, slot.engine.forecast.latency_s) == learned
     assert trio.current_time() - start == 5
     [response] = outcome
     assert response.status_code == 504
@@ -523,20 +538,41 @@ async def test_whole_requests_share_the_prefill_slots_with_streams(
     )
     slow = {"narwhal_sim": {"ttft_s": 1.0, "itl_s": 1.0, "output_tokens": 2}}
     start = trio.current_time()
-    done: list[float] = []
+    done: dict[str, float] = {}
 
-    async def one(**body: Any) -> None:
+    async def one(name: str, **body: Any) -> None:
         response = await fleet.chat(**body, **slow)
         assert response.status_code == 200
-        done.append(trio.current_time() - start)
+        done[name] = trio.current_time() - start
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(one, prompt_logprobs=1))
+            nursery.start_soon(partial(one, "whole", prompt_logprobs=1))
             await until(lambda: fleet.router.statistics().engines[0].prefill == 1)
-            nursery.start_soon(one)
-    # The stream waits for the whole answer (2 s): only then is the prefill slot free.
-    assert sorted(done) == pytest.approx([2.0, 4.0], abs=1e-9)
+            predicted = placed_slot(fleet).predicted_first_token_at - start
+            nursery.start_soon(one, "stream")
+    # The stream takes the prefill slot at the whole request's predicted first token.
+    assert done["whole"] == pytest.approx(2.0, abs=1e-9)
+    assert done["stream"] == pytest.approx(predicted + 2.0, abs=1e-9)
+    assert predicted < 1.0  # the prior's prediction, not the simulated engine's truth
+    fleet.assert_quiescent()
+
+
+async def test_a_non_streaming_tool_request_goes_as_sent(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    """vLLM answers a cut tool call whole as text, streamed as deltas: only its own whole
+    answer is the answer."""
+    fleet = await start_fleet()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    for choice in ("required", "auto", None):
+        extra = {} if choice is None else {"tool_choice": choice}
+        response = await fleet.chat(tools=tools, max_tokens=5, **extra)
+        assert response.status_code == 200
+    assert (await fleet.chat(tools=tools, tool_choice="none", max_tokens=5)).status_code == 200
+    assert (await fleet.chat(tools=tools, max_tokens=5, stream=True)).status_code == 200
+    streamed = [body.get("stream") is True for body in received(fleet)]
+    assert streamed == [False, False, False, True, True]
     fleet.assert_quiescent()
 
 

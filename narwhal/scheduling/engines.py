@@ -224,8 +224,10 @@ class Slot:
         """Placement to first token, as predicted at placement."""
         return self.predicted_first_token_at - self.placed_at
 
-    def to_decode(self) -> None:
-        """Exchange the prefill slot for a decode slot (the first output event arrived)."""
+    def to_decode(self, *, observed: bool = True) -> None:
+        """Exchange the prefill slot for a decode slot: the first output event arrived, or,
+        not ``observed``, the predicted time of a first token that cannot be seen has come
+        (a request its engine answers whole); the forecast then learns nothing from it."""
         if self.phase != "prefill":
             return
         engine = self.engine
@@ -234,14 +236,17 @@ class Slot:
         self.phase = "decode"
         self.context_tokens = self.prompt_tokens
         now = trio.current_time()
-        engine.forecast.saw_step(now)
-        engine.forecast.first_token(
-            self.key,
-            placed_at=self.placed_at,
-            predicted=self.predicted_first_token_at,
-            now=now,
-            tokens=self.prompt_tokens,
-        )
+        if observed:
+            engine.forecast.saw_step(now)
+            engine.forecast.first_token(
+                self.key,
+                placed_at=self.placed_at,
+                predicted=self.predicted_first_token_at,
+                now=now,
+                tokens=self.prompt_tokens,
+            )
+        else:
+            engine.forecast.assume_first_token(self.key, now=now, tokens=self.prompt_tokens)
         # A prefill slot is free now: a queued request may be placeable.
         engine.pool_changed()
 

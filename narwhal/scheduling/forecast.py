@@ -262,6 +262,15 @@ class PrefillForecast:
             compute_s, wait_s = placed.teaches  # the wait for the running step is measured
             self._learn(observed=now - placed_at - wait_s, compute=compute_s)
 
+    def assume_first_token(self, key: int, *, now: float, tokens: int) -> None:
+        """A placed request whose first token cannot be seen (its engine answers it whole) is
+        taken to have had it on time, ``now``: the pipeline is replanned as by
+        :meth:`first_token`, and nothing is learned (a prediction cannot confirm itself)."""
+        placed = self.pending.get(key)
+        if placed is not None:
+            placed.teaches = None
+        self.first_token(key, placed_at=now, predicted=now, now=now, tokens=tokens)
+
     def _learn(self, *, observed: float, compute: float) -> None:
         x_latency, x_compute = 1.0, compute / _LATENCY_UNIT_S
         w_latency, w_compute = self.latency_s / _LATENCY_UNIT_S, self.scale

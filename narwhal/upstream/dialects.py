@@ -20,7 +20,11 @@ stream, with none of the fields above added. The cases, from vLLM 0.32's serving
 * ``include_reasoning: false`` (chat): behind a reasoning or tool parser vLLM then sends no
   token IDs at all, so asking for them would fail every output event;
 * ``kv_transfer_params`` or ``ec_transfer_params`` on a non-streaming request (disaggregated
-  serving): the engine's transfer parameters come back in the non-streaming answer only.
+  serving): the engine's transfer parameters come back in the non-streaming answer only;
+* ``tools`` on a non-streaming chat request (unless ``tool_choice`` is ``"none"``): vLLM parses
+  a whole answer and a stream apart, and they differ where a call is cut short (by
+  ``max_tokens``): whole, the call comes back as text in ``content``; streamed, as the tool-call
+  deltas so far, which no assembly can turn back into that text.
 
 The non-streaming answer the router assembles from a stream takes its engine's own shape
 (:func:`response_shape`): vLLM writes every field of its response models, null when unset, where
@@ -91,6 +95,13 @@ def as_sent(request: CompletionRequest) -> str | None:
         return "echo"
     if request.route == "chat" and body.get("include_reasoning") not in (None, True):
         return "include_reasoning"
+    if (
+        not request.stream
+        and request.route == "chat"
+        and body.get("tools")
+        and body.get("tool_choice") != "none"
+    ):
+        return "tools"
     return None
 
 

@@ -15,8 +15,10 @@ so the engine stops generating.
 What cannot be measured is what a stream shows: no first token, no inter-token gap. The answer's
 ``usage`` gives the prompt's size (the sizing learns from it) and the output length (the length
 model learns from it), and its arrival the end-to-end time. Token IDs are not asked for, so none
-are validated. With no first token to see, the request holds its prefill slot until the answer
-arrives: a conservative occupancy, and its engine's prefill forecast learns nothing from it.
+are validated. With no first token to see, the request is taken to have had it at its predicted
+time: its prefill slot is exchanged for a decode slot then (or when the answer arrives, if
+sooner), so that such requests do not hold an engine's prefill slots for their whole decode;
+the engine's prefill forecast learns nothing from them.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ async def _attempt(
     with trio.CancelScope() as unresponsive:
         engine.attempts.add(unresponsive)
         try:
-            answer = await client_of(engine).post_whole(request.route, plan.body, headers=headers)
+            answer = await _post_whole(slot, request, plan.body, headers)
             now = trio.current_time()
             engine.request_answered(now)
             measurements = Measurements(arrival, answered_at=now)
@@ -127,3 +129,31 @@ async def _attempt(
         finally:
             engine.attempts.discard(unresponsive)
     raise EngineError(f"engine {engine.name} stopped answering (its circuit opened)")
+
+
+async def _post_whole(
+    slot: Slot, request: CompletionRequest, body: bytes, headers: Mapping[str, str] | None
+) -> WholeAnswer:
+    """The engine's whole answer; meanwhile the slot moves to decode at the predicted first
+    token (the engine prefills, then decodes, unseen)."""
+    call = client_of(slot.engine).post_whole(request.route, body, headers=headers)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_decode_at_predicted_first_token, slot)
+            try:
+                answer = await call
+            finally:
+                nursery.cancel_scope.cancel()
+            slot.to_decode(observed=False)  # answered sooner than predicted: prefilled by now
+            return answer
+    except BaseExceptionGroup as group:
+        # The timer never fails: the group holds the call's own exception, raised as is for
+        # the retry and the caller's handlers.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+async def _decode_at_predicted_first_token(slot: Slot) -> None:
+    await trio.sleep_until(slot.predicted_first_token_at)
+    slot.to_decode(observed=False)
