@@ -98,6 +98,7 @@ class Scripted(httpx.AsyncBaseTransport):
         self.chars_per_token = 4
         self.posts = 0
         self.refused = 0
+        self.one_read = False  # the whole body in one network read, not one event per read
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models" and self.context is not None:
@@ -112,7 +113,8 @@ class Scripted(httpx.AsyncBaseTransport):
             return httpx.Response(400, json=too_long(self.context, tokens))
         if self.body is None:
             return await self.inner.handle_async_request(request)
-        return httpx.Response(200, headers=SSE, stream=_Body(self.body))
+        stream = httpx.ByteStream(self.body) if self.one_read else _Body(self.body)
+        return httpx.Response(200, headers=SSE, stream=stream)
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -325,6 +327,27 @@ async def test_a_5xx_frame_after_headers_stays_an_engine_error_in_band(
     assert "Internal server error" in error["message"]
     assert posts(scripted) == 1
     assert fleet.counters()["failed"] == 1
+    fleet.assert_quiescent()
+
+
+@pytest.mark.parametrize("error", [BAD_LOGPROBS, INTERNAL], ids=["4xx", "5xx"])
+async def test_output_read_with_the_error_reaches_the_client_before_it(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock, error: bytes
+) -> None:
+    """Output and an error frame in one network read: the output gathered for the client's
+    next write once went nowhere, and the client saw only the error."""
+    fleet = await start_fleet()
+    for scripted in script(fleet, role_then(error)):
+        scripted.one_read = True
+    with trio.fail_after(30):
+        response = await fleet.chat(stream=True)
+    assert response.status_code == 200
+    payloads = sse_payloads(response.text)
+    assert [json.loads(p)["choices"][0]["delta"] for p in payloads[:2]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Hi"},
+    ]
+    assert "error" in json.loads(payloads[2]) and payloads[3:] == ["[DONE]"]
     fleet.assert_quiescent()
 
 

@@ -294,8 +294,8 @@ async def _relay(client: Client, ticket: Ticket, exchange: Exchange) -> None:
     """
     relay = _StreamRelay(exchange)
     await client.start_stream()
+    frames: list[bytes] = []  # gathered for the next write
     try:
-        frames: list[bytes] = []
         for event in exchange.take_held():
             frames.extend(relay.frames(event))
         while True:
@@ -306,16 +306,16 @@ async def _relay(client: Client, ticket: Ticket, exchange: Exchange) -> None:
                     break
                 frames.extend(relay.frames(chunk))
             if frames:
-                await client.write(b"".join(frames))
-                frames = []
+                writing, frames = frames, []
+                await client.write(b"".join(writing))
             chunk = await exchange.next_chunk()
             if chunk is None:
                 break
             frames.extend(relay.frames(chunk))
     except BaseException:
-        # An error event goes after what the relay held back (a deadline, a shutdown's cut,
-        # an engine failure: the caller sends it).
-        client.owed = b"".join(relay.finish())
+        # An error event goes after what was gathered and not yet written, and what the relay
+        # held back (a deadline, a shutdown's cut, an engine failure: the caller sends it).
+        client.owed = b"".join([*frames, *relay.finish()])
         raise
     ticket.finish("completed")
     with contextlib.suppress(ClientGone):  # it has all it needs but the last bytes
