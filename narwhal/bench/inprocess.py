@@ -60,12 +60,18 @@ class CoalescingSimEngine(SimEngine):
     tokens_per_chunk: int = 1
 
     def respond(
-        self, method: str, path: str, raw: bytes = b"", *, created: int | None = None
+        self,
+        method: str,
+        path: str,
+        raw: bytes = b"",
+        *,
+        created: int | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> SimPlan:
         """See :meth:`SimEngine.respond`; streamed completions come in larger chunks."""
         if self.tokens_per_chunk > 1 and method == "POST" and path in _COMPLETION_PATHS:
             raw = _with_stream_interval(raw, self.tokens_per_chunk)
-        return super().respond(method, path, raw, created=created)
+        return super().respond(method, path, raw, created=created, headers=headers)
 
 
 def _with_stream_interval(raw: bytes, interval: int) -> bytes:

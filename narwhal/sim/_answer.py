@@ -10,8 +10,17 @@ or a named function: one call unless the directive says how many). A forced call
 token, as vLLM's structured-output tool calls do; otherwise (hermes) the name travels with the
 first argument fragment and a ``</tool_call>`` token ends the calls.
 
+Silent tokens show no text in a delta: ``tool_end`` (``</tool_call>``, which the tool parser
+strips), and, in the vLLM dialect, ``marker`` (``<tool_call>`` before each hermes call and
+``</think>`` after the reasoning, which vLLM's parsers strip), ``eos`` (the end-of-sequence
+token that ends every natural answer, its text skipped as a special token) and ``hidden`` (a
+token whose text the detokenizer holds back, such as the first bytes of a character split across
+tokens; the ``hidden_tokens`` directive).
+They are generated and counted like any other token; vLLM sends their IDs and logprobs.
+
 Identity: ``id`` and tool-call IDs come from their own generator (``ids``), so that they differ
-per request while the text stays a function of the seed and the body.
+per request while the text stays a function of the seed and the body; vLLM's ``id`` is the
+``X-Request-Id`` header (or the body's ``request_id``) when the request has one.
 
 Time is counted in the request's output steps, not seconds: step 1 ends the prefill and produces
 token 0, step ``k`` produces token ``k - 1`` (a request with no output still has step 1). The
@@ -27,14 +36,19 @@ from typing import Literal
 import attrs
 
 from narwhal.sim import _text
-from narwhal.sim._request import Dialect, SimRequest
+from narwhal.sim._request import VLLM_VERSION, Dialect, SimRequest
 
-__all__ = ["Answer", "Group", "Kind", "Token", "ToolCall", "generate"]
+__all__ = ["SILENT", "Answer", "Group", "Kind", "Token", "ToolCall", "generate"]
 
-Kind = Literal["reasoning", "content", "refusal", "tool_name", "tool", "tool_end"]
+Kind = Literal[
+    "reasoning", "content", "refusal", "tool_name", "tool", "tool_end", "eos", "hidden", "marker"
+]
+SILENT: frozenset[str] = frozenset({"tool_end", "eos", "hidden", "marker"})
+"""The kinds of token that show no text in a delta."""
 
 _TOOL_END_PIECE = "</tool_call>"
 _TOOL_END_ID = 151658
+_MARKER_IDS = {"<tool_call>": 151657, "</think>": 151668}
 _CITIES = ("Paris", "Lyon", "Oslo", "Lima", "Kyoto", "Accra", "Quito", "Perth")
 _DEFAULT_TOOL = "get_weather"
 _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
@@ -49,7 +63,8 @@ class Token:
         id: its token ID (>= 0).
         text: its text piece.
         kind: what it carries; ``tool_name`` announces a forced tool call's name (its text),
-            ``tool_end`` closes the tool calls and shows no text.
+            ``tool_end`` closes the tool calls; the :data:`SILENT` kinds show no text (``text``
+            is what a logprob entry names them).
         step: the output step that produces it (``position + 1``).
         call: the tool call it belongs to (kinds ``tool_name`` and ``tool``), else -1.
         opens_call: it is the first token of its tool call.
@@ -63,6 +78,11 @@ class Token:
     call: int = -1
     opens_call: bool = False
 
+    @property
+    def shown(self) -> str:
+        """The text a delta shows for it ("" for a silent token)."""
+        return "" if self.kind in SILENT else self.text
+
 
 @attrs.frozen
 class ToolCall:
@@ -75,14 +95,22 @@ class ToolCall:
 
 @attrs.frozen
 class Group:
-    """Consecutive tokens of one kind (and one tool call) that travel in one chunk."""
+    """Consecutive tokens that travel in one chunk.
+
+    Its visible tokens share one kind (and one tool call); silent tokens may travel with them.
+    """
 
     tokens: tuple[Token, ...]
 
     @property
+    def lead(self) -> Token:
+        """The first visible token (the first token when all are silent)."""
+        return next((t for t in self.tokens if t.kind not in SILENT), self.tokens[0])
+
+    @property
     def kind(self) -> Kind:
-        """The kind of every token in the group."""
-        return self.tokens[0].kind
+        """The kind of its visible tokens (of the first token when all are silent)."""
+        return self.lead.kind
 
     @property
     def step(self) -> int:
@@ -101,8 +129,8 @@ class Group:
 
     @property
     def text(self) -> str:
-        """The group's text."""
-        return "".join(token.text for token in self.tokens)
+        """The text the group shows (silent tokens show none)."""
+        return "".join(token.shown for token in self.tokens)
 
     @property
     def ids(self) -> list[int]:
@@ -112,12 +140,12 @@ class Group:
     @property
     def call(self) -> int:
         """The tool call of the group (kinds ``tool_name`` and ``tool``), else -1."""
-        return self.tokens[0].call
+        return self.lead.call
 
     @property
     def opens_call(self) -> bool:
         """The group starts its tool call."""
-        return self.tokens[0].opens_call
+        return self.lead.opens_call
 
 
 @attrs.frozen
@@ -154,7 +182,7 @@ class Answer:
 
     @property
     def output_tokens(self) -> int:
-        """Completion tokens, reasoning and the tool-call end included."""
+        """Completion tokens, reasoning and silent tokens included."""
         return len(self.tokens)
 
     @property
@@ -200,36 +228,50 @@ def _tool_id(rng: random.Random, dialect: Dialect) -> str:
     return "call_" + "".join(rng.choice(_ALNUM) for _ in range(24))
 
 
-def _response_id(rng: random.Random, dialect: Dialect, request: SimRequest) -> str:
+def _response_id(
+    rng: random.Random, dialect: Dialect, request: SimRequest, request_id: str | None
+) -> str:
     prefix = "chatcmpl-" if request.route == "chat" else "cmpl-"
     if dialect == "sglang":
         return _hex(rng, 32)
     if dialect == "openai":
         return prefix + "".join(rng.choice(_ALNUM) for _ in range(29))
-    return prefix + _hex(rng, 32)
+    # vLLM: the X-Request-Id header, else the body's request_id, else 16 random hex digits.
+    chosen = request_id if request_id is not None else request.request_id
+    return prefix + (chosen if chosen is not None else _hex(rng, 16))
 
 
 def _fingerprint(dialect: Dialect, model: str) -> str:
     digest = _text.token_id(model) * 2654435761 % (1 << 40)
     if dialect == "openai":
         return f"fp_{digest:010x}"
-    return f"vllm-0.33.0-{digest & 0xFFFFFFFF:08x}"
+    return f"vllm-{VLLM_VERSION}-{digest & 0xFFFFFFFF:08x}"
 
 
 _Piece = tuple[str, Kind, int, bool]  # text, kind, tool call, opens the call
+_EOS: _Piece = (_text.EOS_TEXT, "eos", -1, False)
 
 
 def _body_pieces(
     rng: random.Random, ids: random.Random, request: SimRequest, dialect: Dialect, reasoning: int
 ) -> tuple[list[_Piece], list[ToolCall], int]:
-    """The pieces after the reasoning, the tool calls, and the natural length of the answer."""
+    """The pieces after the reasoning, the tool calls, and the natural length of the answer.
+
+    vLLM's answers end with the end-of-sequence token (an answer that ends on a stop string
+    has none), mark the end of the reasoning and each hermes call's start, and carry the
+    ``hidden_tokens`` directive's tokens; the natural length counts them all.
+    """
     directives = request.directives
     chat = request.route == "chat"
     forced = request.forced_tools is not None
+    vllm = dialect == "vllm"
+    hidden = directives.hidden_tokens if vllm else 0
+    end: list[_Piece] = [_EOS] if vllm and request.stop is None else []
+    think: list[_Piece] = [("</think>", "marker", -1, False)] if vllm and reasoning else []
     count = directives.tool_calls or (1 if forced else 0)
     if chat and count:
         calls: list[ToolCall] = []
-        pieces: list[_Piece] = []
+        pieces: list[_Piece] = list(think)
         names = request.tool_names or (_DEFAULT_TOOL,)
         for index in range(count):
             name = names[index % len(names)]
@@ -237,28 +279,78 @@ def _body_pieces(
             city, days = rng.choice(_CITIES), rng.randint(1, 7)
             if forced:
                 pieces.append((name, "tool_name", index, True))
+            elif vllm:
+                pieces.append(("<tool_call>", "marker", -1, False))
             fragments = ('{"city": "', city, '", "days": ', f"{days}}}")
             for number, fragment in enumerate(fragments):
                 pieces.append((fragment, "tool", index, number == 0 and not forced))
-        pieces.append(("" if forced else _TOOL_END_PIECE, "tool_end", -1, False))
-        return pieces, calls, reasoning + len(pieces)
+        if vllm:
+            # hermes: </tool_call>, then the end of the answer; a forced call: the end alone.
+            pieces += [] if forced else [(_TOOL_END_PIECE, "tool_end", -1, False)]
+            pieces.append(_EOS)
+        else:
+            pieces.append(("" if forced else _TOOL_END_PIECE, "tool_end", -1, False))
+        return pieces, calls, reasoning + len(pieces) + hidden
     if chat and directives.refusal is not None:
         refusal = re.findall(r"\s*\S+", directives.refusal) or [directives.refusal]
-        pieces = [(piece, "refusal", -1, False) for piece in refusal]
-        return pieces, [], reasoning + len(pieces)
+        pieces = think + [(piece, "refusal", -1, False) for piece in refusal] + end
+        return pieces, [], reasoning + len(pieces) + hidden
     if directives.output_tokens is not None:
         natural = directives.output_tokens
     else:
         natural = reasoning + rng.randint(8, 48)
     # A completion continues the prompt, so its first word keeps its space (" Paris").
-    words = _words(rng, max(0, natural - reasoning), strip_first=chat)
-    return [(word, "content", -1, False) for word in words], [], natural
+    room = natural - reasoning - hidden - len(think) - len(end)
+    words = _words(rng, max(0, room), strip_first=chat)
+    return think + [(word, "content", -1, False) for word in words] + end, [], natural
 
 
-def _piece_id(text: str, kind: Kind) -> int:
+def _with_hidden(pieces: list[_Piece], count: int) -> list[_Piece]:
+    """``count`` held-back tokens, one after each of the first visible pieces (any left over
+    before the silent pieces that end the answer)."""
+    if not count:
+        return pieces
+    tail = len(pieces)
+    while tail and pieces[tail - 1][1] in SILENT:
+        tail -= 1
+    hidden: _Piece = ("", "hidden", -1, False)
+    result: list[_Piece] = []
+    left = count
+    for piece in pieces[:tail]:
+        result.append(piece)
+        if piece[1] not in SILENT and left:
+            result.append(hidden)
+            left -= 1
+    return result + [hidden] * left + pieces[tail:]
+
+
+def _piece_id(text: str, kind: Kind, position: int) -> int:
     if kind == "tool_end":
         return _TOOL_END_ID if text == _TOOL_END_PIECE else _text.EOS_TOKEN_ID
+    if kind == "eos":
+        return _text.EOS_TOKEN_ID
+    if kind == "marker":
+        return _MARKER_IDS[text]
+    if kind == "hidden":
+        return _text.held_token_id(position)
     return _text.token_id(text)
+
+
+def _joins(token: Token, current: list[Token]) -> bool:
+    """Whether ``token`` may travel in the chunk being filled (its size limit aside).
+
+    ``</tool_call>`` starts a chunk; other silent tokens travel with anything; a visible token
+    joins visible tokens of its kind and call (a call's first token starts a chunk), or tokens
+    held back before it (their text would show with it).
+    """
+    if token.kind == "tool_end":
+        return False
+    if token.kind in SILENT:
+        return True
+    lead = next((t for t in current if t.kind not in SILENT), None)
+    if lead is None:
+        return all(t.kind == "hidden" for t in current)
+    return token.kind == lead.kind and token.call == lead.call and not token.opens_call
 
 
 def _group(tokens: list[Token], size: int, first_alone: bool) -> list[Group]:
@@ -266,13 +358,7 @@ def _group(tokens: list[Token], size: int, first_alone: bool) -> list[Group]:
     current: list[Token] = []
     for token in tokens:
         limit = 1 if first_alone and not groups else size
-        if current and (
-            len(current) >= limit
-            or token.kind != current[0].kind
-            or token.call != current[0].call
-            or token.opens_call
-            or token.kind == "tool_end"
-        ):
+        if current and (len(current) >= limit or not _joins(token, current)):
             groups.append(Group(tuple(current)))
             current = []
         current.append(token)
@@ -289,17 +375,19 @@ def generate(
     rng: random.Random,
     ids: random.Random,
     created: int,
+    request_id: str | None = None,
 ) -> Answer:
     """Generate the answer to ``request``: deterministic given the generators' seeds.
 
-    ``rng`` decides the text, ``ids`` the response and tool-call IDs.
+    ``rng`` decides the text, ``ids`` the response and tool-call IDs; ``request_id`` is the
+    request's ``X-Request-Id`` header (vLLM answers with it as the ``id``).
 
-    Length: ``output_tokens`` if given (reasoning included), else the reasoning plus a seeded
-    8..48 tokens; tool calls and refusals take the tokens they need. ``max_tokens`` cuts the
-    answer (finish ``length``).
+    Length: ``output_tokens`` if given (reasoning and silent tokens included), else the
+    reasoning plus a seeded 8..48 tokens; tool calls and refusals take the tokens they need.
+    ``max_tokens`` cuts the answer (finish ``length``).
     """
     directives = request.directives
-    response_id = _response_id(ids, dialect, request)
+    response_id = _response_id(ids, dialect, request, request_id)
     prompt_tokens = request.prompt_tokens
     wanted_reasoning = directives.reasoning_tokens if request.route == "chat" else 0
     if directives.output_tokens is not None and not (directives.tool_calls or directives.refusal):
@@ -308,14 +396,16 @@ def generate(
         (word, "reasoning", -1, False) for word in _words(rng, wanted_reasoning)
     ]
     body, calls, natural = _body_pieces(rng, ids, request, dialect, wanted_reasoning)
-    pieces = reasoning_pieces + body
+    pieces = _with_hidden(
+        reasoning_pieces + body, directives.hidden_tokens if dialect == "vllm" else 0
+    )
     total = natural if request.max_tokens is None else min(natural, request.max_tokens)
     pieces = pieces[:total]
 
     tokens = [
         Token(
             position=position,
-            id=_piece_id(text, kind),
+            id=_piece_id(text, kind, position),
             text=text,
             kind=kind,
             step=position + 1,

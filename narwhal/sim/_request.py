@@ -1,8 +1,16 @@
 """What the simulated engine reads from a request body, and the test directives (pure).
 
-Validation follows the real engines where it matters to a router (vLLM's messages and
-parameters; SGLang's refusal of ``return_token_ids`` on streaming chat) and is otherwise lenient:
-unknown fields are ignored, as vLLM and SGLang ignore them.
+Validation follows the real engines where it matters to a router (vLLM 0.32's messages and
+parameters, in vLLM's order; SGLang's refusal of ``return_token_ids`` on streaming chat) and is
+otherwise lenient: unknown fields are ignored, as vLLM and SGLang ignore them.
+
+vLLM checks a request in stages, and the stage decides how a stream hears of a failure: the
+request model's validators (types, ``stream_options``, ``logprobs`` and ``prompt_logprobs``
+rules, tools), then the model name (404), then the prompt's tokenization (``max_tokens`` and the
+prompt against ``max_model_len``), then the sampling parameters (``temperature``, ``top_p``,
+``max_tokens`` left after the prompt): all of these are an HTTP 400 (404). Last come the checks
+the engine makes when the request is added (``logprobs`` and ``prompt_logprobs`` above 20): for a
+stream, vLLM has already answered 200 and sends them in band (:attr:`SimFailure.in_band`).
 """
 
 from __future__ import annotations
@@ -16,7 +24,10 @@ import attrs
 from narwhal.sim import _text
 
 __all__ = [
+    "DEFAULT_MAX_MODEL_LEN",
     "FAULTS",
+    "MAX_LOGPROBS",
+    "VLLM_VERSION",
     "Dialect",
     "Directives",
     "Fault",
@@ -49,7 +60,12 @@ Fault = Literal[
 ]
 FAULTS: frozenset[str] = frozenset(get_args(Fault))
 
-_MAX_LOGPROBS = 20
+VLLM_VERSION = "0.32.0"
+"""The vLLM release whose shapes the ``vllm`` dialect follows (``/version``, the fingerprint)."""
+MAX_LOGPROBS = 20
+"""vLLM's default ``--max-logprobs``."""
+DEFAULT_MAX_MODEL_LEN = 131072
+"""The context length a simulated engine reports and enforces unless told (Llama 3.1's)."""
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
@@ -60,12 +76,16 @@ class SimFailure(Exception):
     ``body.``); each dialect renders them in its own shape.
     """
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str, param: str | None, *, in_band: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
+        self.in_band = in_band
+        """vLLM finds it while generating a stream: an HTTP 200 carrying an error frame."""
 
 
 def _summary(value: Any) -> str:
@@ -86,10 +106,16 @@ def validation_error(
     return SimFailure(400, f"1 validation error:\n  {entry!r}", "Bad Request", loc)
 
 
-def parameter_error(param: str, message: str, value: Any = None) -> SimFailure:
+def parameter_error(
+    param: str | None, message: str, value: Any = None, *, in_band: bool = False
+) -> SimFailure:
     """A vLLM ``VLLMValidationError``: the message names the parameter (and the value)."""
-    suffix = f"parameter={param}" if value is None else f"parameter={param}, value={value}"
-    return SimFailure(400, f"{message} ({suffix})", "BadRequestError", param)
+    extras = [] if param is None else [f"parameter={param}"]
+    if value is not None:
+        extras.append(f"value={value}")
+    if extras:
+        message = f"{message} ({', '.join(extras)})"
+    return SimFailure(400, message, "BadRequestError", param, in_band=in_band)
 
 
 # --- directives -------------------------------------------------------------------------------
@@ -114,9 +140,11 @@ class Directives:
     fault_at: int = 0
     stall_s: float = math.inf
     ignore_token_ids: bool = False
+    hidden_tokens: int = 0
 
 
 _INT_DIRECTIVES = {
+    "hidden_tokens": 0,
     "output_tokens": 0,
     "reasoning_tokens": 0,
     "tool_calls": 0,
@@ -199,6 +227,16 @@ class SimRequest:
         prompt_text: the text the prompt is sized from.
         prompt_token_ids: the prompt as the client sent it in IDs, else None.
         directives: the test directives.
+        forced_tools: see above.
+        echo: ``echo`` is true.
+        echo_text: what an echo puts before the answer: the prompt (completions; nothing for
+            a prompt of IDs, which the simulator cannot decode), the last message's content
+            when its role is the answer's (chat).
+        prompt_logprobs: how many alternatives each prompt token's logprob entry lists
+            (vLLM's ``prompt_logprobs``, or its ``echo`` default), None for no entries.
+        request_id: the body's ``request_id`` (vLLM's ``id`` when no header gives one).
+        role: the answer's role (vLLM: the last message's when ``add_generation_prompt`` is
+            false).
     """
 
     route: Route
@@ -216,6 +254,11 @@ class SimRequest:
     prompt_token_ids: tuple[int, ...] | None
     directives: Directives
     forced_tools: ForcedTools | None = None
+    echo: bool = False
+    echo_text: str = ""
+    prompt_logprobs: int | None = None
+    request_id: str | None = None
+    role: str = "assistant"
 
     @property
     def prompt_tokens(self) -> int:
@@ -231,6 +274,12 @@ class SimRequest:
         if self.prompt_token_ids is not None and self.directives.prompt_tokens is None:
             return list(self.prompt_token_ids)
         return _text.prompt_ids(self.prompt_text, self.prompt_tokens)
+
+    def prompt_pieces(self) -> list[tuple[int, str]]:
+        """The prompt's tokens as ``(id, text)`` (an ID prompt's texts are unknown: empty)."""
+        if self.prompt_token_ids is not None and self.directives.prompt_tokens is None:
+            return [(token, "") for token in self.prompt_token_ids]
+        return _text.prompt_pieces(self.prompt_text, self.prompt_tokens)
 
 
 def _is_int(value: Any) -> bool:
@@ -356,48 +405,158 @@ def _tool_choice(
     return None, names
 
 
-def _logprobs(body: Mapping[str, Any], route: Route) -> int | None:
-    if route == "chat":
-        wanted = _optional_bool(body, "logprobs")
-        top = _optional_int(body, "top_logprobs")
-        if top is not None and not wanted:
+def _count(body: Mapping[str, Any], key: str) -> int | None:
+    """A logprob count as vLLM's request validator first reads it (any number, else a 400)."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)):
+        raise parameter_error(key, f"`{key}` must be an integer.", value)
+    if isinstance(value, float) and not value.is_integer():
+        raise validation_error(
+            "int_from_float",
+            f"body.{key}",
+            "Input should be a valid integer, got a number with a fractional part",
+            value,
+        )
+    return int(value)
+
+
+def _positive_or_all(key: str, value: int | None) -> None:
+    if value is not None and value < 0 and value != -1:
+        raise parameter_error(key, f"`{key}` must be a positive value or -1.", value)
+
+
+def _logprob_fields(
+    body: Mapping[str, Any], route: Route, stream: bool
+) -> tuple[int | None, int | None]:
+    """The request validator's ``logprobs`` rules: (sampled count, ``prompt_logprobs``)."""
+    other = "top_logprobs" if route == "chat" else "logprobs"
+    prompt = _count(body, "prompt_logprobs")
+    count = _count(body, other)
+    if prompt is not None:
+        if stream and (prompt > 0 or prompt == -1):
             raise parameter_error(
-                "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."
+                "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
             )
-        if not wanted:
-            return None
-        count = 0 if top is None else top
-        param = "top_logprobs"
-    else:
-        value = _optional_int(body, "logprobs")
-        if value is None:
-            return None
-        count = value
-        param = "logprobs"
-    if count < 0 and count != -1:
-        raise parameter_error(param, f"`{param}` must be a positive value or -1.", count)
-    if count == -1:
-        count = 5  # "the whole vocabulary": five is plenty for a simulator
-    if count > _MAX_LOGPROBS:
+        _positive_or_all("prompt_logprobs", prompt)
+    _positive_or_all(other, count)
+    if route == "completions":
+        return count, prompt
+    wanted = _optional_bool(body, "logprobs")
+    if count is not None and (count == -1 or count > 0) and not wanted:
+        raise parameter_error(
+            "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."
+        )
+    return (count or 0) if wanted else None, prompt
+
+
+def _engine_logprobs(count: int | None, param: str, stream: bool) -> int | None:
+    """vLLM's engine-side limit (``--max-logprobs`` 20; -1 asks for the whole vocabulary)."""
+    if count is None:
+        return None
+    wanted = _text.VOCAB_SIZE if count == -1 else count
+    if wanted > MAX_LOGPROBS:
+        what = "sample" if param == "logprobs" else "prompt"
         raise parameter_error(
             param,
-            f"Requested sample logprobs of {count}, which is greater than max allowed: "
-            f"{_MAX_LOGPROBS}",
+            f"Requested {what} logprobs of {wanted}, which is greater than max allowed: "
+            f"{MAX_LOGPROBS}",
+            wanted,
+            in_band=stream,
         )
-    return count
+    return wanted
 
 
-def _max_tokens(body: Mapping[str, Any], route: Route) -> int | None:
-    chosen: int | None = None
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = _optional_int(body, key)
-        if value is not None and value < 1:
-            raise parameter_error(key, f"{key} must be at least 1, got {value}.", value)
-        if value is not None:
-            chosen = value  # max_completion_tokens, checked last, wins
-    if chosen is None and route == "completions":
-        return _COMPLETIONS_DEFAULT_MAX_TOKENS
-    return chosen
+def _output_limit(body: Mapping[str, Any], route: Route) -> tuple[str, int | None]:
+    """The output cap asked for, and the name vLLM's messages give it."""
+    if route == "chat":
+        completion = _optional_int(body, "max_completion_tokens")
+        if completion is not None:
+            return "max_completion_tokens", completion
+        return "max_tokens", _optional_int(body, "max_tokens")
+    value = _optional_int(body, "max_tokens")
+    return "max_tokens", _COMPLETIONS_DEFAULT_MAX_TOKENS if value is None else value
+
+
+def _context_checks(
+    name: str, asked: int | None, prompt_tokens: int, ids_prompt: bool, max_model_len: int
+) -> None:
+    """vLLM's tokenization limits: the output cap, then the prompt, against the context."""
+    if asked is not None and asked > max_model_len:
+        raise parameter_error(
+            name,
+            f"{name}={asked} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            asked,
+        )
+    if prompt_tokens > max_model_len:
+        # A text prompt is tokenized with truncation one token past the limit.
+        count = prompt_tokens if ids_prompt else max_model_len + 1
+        qualifier = "at least " if count == max_model_len + 1 else ""
+        raise parameter_error(
+            "input_tokens",
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {qualifier}{count} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            count,
+        )
+
+
+def _optional_float(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise validation_error(
+            "float_parsing",
+            f"body.{key}",
+            "Input should be a valid number, unable to parse string as a number",
+            value,
+        )
+    return float(value)
+
+
+def _sampling_checks(body: Mapping[str, Any], n: int | None, max_tokens: int | None) -> None:
+    """vLLM's ``SamplingParams`` checks, in its order (those a router meets)."""
+    if n is not None and n < 1:
+        raise parameter_error(None, f"n must be at least 1, got {n}.")
+    for key in ("presence_penalty", "frequency_penalty"):
+        penalty = _optional_float(body, key)
+        if penalty is not None and not -2.0 <= penalty <= 2.0:
+            raise parameter_error(None, f"{key} must be in [-2, 2], got {penalty}.")
+    temperature = _optional_float(body, "temperature")
+    if temperature is not None:
+        if not math.isfinite(temperature):
+            message = f"temperature must be a finite number, got {temperature}."
+            raise parameter_error("temperature", message, temperature)
+        if temperature < 0.0:
+            message = f"temperature must be non-negative, got {temperature}."
+            raise parameter_error("temperature", message, temperature)
+        if temperature > 2.0:
+            message = f"temperature must be in [0, 2], got {temperature}."
+            raise parameter_error("temperature", message, temperature)
+    top_p = _optional_float(body, "top_p")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise parameter_error("top_p", f"top_p must be in (0, 1], got {top_p}.", top_p)
+    if max_tokens is not None and max_tokens < 1:
+        message = f"max_tokens must be at least 1, got {max_tokens}."
+        raise parameter_error("max_tokens", message, max_tokens)
+    if n is not None and n > 1:
+        raise parameter_error("n", "The simulator serves n=1 only.", n)
+
+
+def _echo_text(body: Mapping[str, Any], route: Route, prompt_text: str, role: str) -> str:
+    """What ``echo`` puts before the answer (vLLM's rules)."""
+    if route == "completions":
+        return prompt_text
+    last = body["messages"][-1] if body["messages"] else {}
+    if last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+    return content if isinstance(content, str) else ""
 
 
 def parse_request(
@@ -407,23 +566,22 @@ def parse_request(
     dialect: Dialect,
     model: str,
     default_directives: Mapping[str, Any] | None = None,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
 ) -> SimRequest:
-    """Read a completion request the way the chosen engine would.
+    """Read a completion request the way the chosen engine would, in vLLM's stages.
 
     Raises:
-        SimFailure: the engine's error answer (400 for bad fields, 404 for another model).
+        SimFailure: the engine's error answer (400 for bad fields, 404 for another model; see
+            the module doc for the failures a vLLM stream hears of in band).
     """
     directives = parse_directives(default_directives, body.get("narwhal_sim"))
-    if route == "chat":
+    vllm, chat = dialect == "vllm", route == "chat"
+    # 1. The request model's validators.
+    if chat:
         messages = _messages(body)
         prompt_text, prompt_ids = _text.chat_prompt_text(messages), None
     else:
         prompt_text, prompt_ids = _prompt(body)
-
-    requested_model = body.get("model")
-    if requested_model is not None and requested_model != model:
-        message = f"The model `{requested_model}` does not exist. Valid aliases: {model}."
-        raise SimFailure(404, message, "NotFoundError", "model")
 
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
@@ -443,11 +601,6 @@ def parse_request(
         continuous = False
 
     n = _optional_int(body, "n")
-    if n is not None and n != 1:
-        if n < 1:
-            raise parameter_error("n", f"n must be at least 1, got {n}.", n)
-        raise parameter_error("n", "The simulator serves n=1 only.", n)
-
     interval = 1
     if dialect == "vllm":
         value = _optional_int(body, "stream_interval")
@@ -460,6 +613,16 @@ def parse_request(
                 {"ge": 1},
             )
         interval = value or 1
+
+    logprobs, prompt_logprobs = _logprob_fields(body, route, stream)
+    echo = vllm and _optional_bool(body, "echo")
+    if not vllm:
+        prompt_logprobs = None  # the other dialects' engines have no such field
+    request_id = body.get("request_id") if vllm else None
+    if request_id is not None and not isinstance(request_id, str):
+        raise validation_error(
+            "string_type", "body.request_id", "Input should be a valid string", request_id
+        )
 
     asked_ids = _optional_bool(body, "return_token_ids")
     ids_keys = dialect == "vllm" and not directives.ignore_token_ids
@@ -480,20 +643,60 @@ def parse_request(
 
     names = _tool_names(body, dialect) if route == "chat" else ()
     forced, names = _tool_choice(body, names) if route == "chat" else (None, names)
-    return SimRequest(
+    stop = _stop(body)
+
+    # 2. The model.
+    requested_model = body.get("model")
+    if requested_model is not None and requested_model != model:
+        message = f"The model `{requested_model}` does not exist. Valid aliases: {model}."
+        raise SimFailure(404, message, "NotFoundError", "model")
+
+    # 3. Tokenization: the output cap and the prompt against the context.
+    request = SimRequest(
         route=route,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
         want_ids=want_ids,
         ids_keys=ids_keys,
-        max_tokens=_max_tokens(body, route),
-        logprobs=_logprobs(body, route),
-        stop=_stop(body),
+        max_tokens=None,
+        logprobs=logprobs,
+        stop=stop,
         stream_interval=interval,
         tool_names=names,
         prompt_text=prompt_text,
         prompt_token_ids=prompt_ids,
         directives=directives,
         forced_tools=forced,
+        request_id=request_id,
+    )
+    name, asked = _output_limit(body, route)
+    max_tokens = asked
+    if vllm:
+        prompt_tokens = request.prompt_tokens
+        _context_checks(name, asked, prompt_tokens, prompt_ids is not None, max_model_len)
+        room = max_model_len - prompt_tokens  # vLLM caps the output at what the context leaves
+        max_tokens = room if asked is None else min(room, asked)
+
+    # 4. The sampling parameters.
+    _sampling_checks(body, n, max_tokens)
+
+    # 5. What the engine checks when the request is added (in band for a vLLM stream).
+    in_band = stream and vllm
+    logprobs = _engine_logprobs(logprobs, "logprobs", in_band)
+    if prompt_logprobs is None and echo:  # vLLM scores an echoed prompt
+        prompt_logprobs = (_count(body, "top_logprobs") or 0) if chat else _count(body, "logprobs")
+    prompt_logprobs = _engine_logprobs(prompt_logprobs, "prompt_logprobs", in_band)
+
+    role = "assistant"
+    if vllm and chat and body.get("add_generation_prompt") is False:
+        role = str(body["messages"][-1].get("role")) if body["messages"] else "assistant"
+    return attrs.evolve(
+        request,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        echo=echo,
+        echo_text=_echo_text(body, route, prompt_text, role) if echo else "",
+        prompt_logprobs=prompt_logprobs,
+        role=role,
     )

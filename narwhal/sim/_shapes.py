@@ -1,9 +1,16 @@
 """Each dialect's exact response shapes (pure).
 
-The key sets and orders follow ``reference/vllm-0.33-captures/`` (vLLM 0.33 and SGLang 0.5.23)
-and OpenAI's published chunk and response objects. Stream chunks come back as :class:`Chunk`
+The key sets and orders follow real vLLM 0.32 answers (``tests/sim/captures/``, and vLLM's
+source where no capture shows a case), ``reference/vllm-0.33-captures/`` for SGLang 0.5.23, and
+OpenAI's published chunk and response objects. Stream chunks come back as :class:`Chunk`
 values (a JSON object and the output step after which it may be sent) so that faults can be
 applied before serialisation.
+
+vLLM serialises a stream chunk with the keys it set (``exclude_unset``): ``token_ids`` is on
+every output chunk (null unless asked), ``stop_reason`` on the finish chunk only,
+``prompt_token_ids`` and ``prompt_text`` on the first chunk only, ``system_fingerprint`` on the
+finish chunk (on the usage chunk instead when ``include_usage`` is on); the usage chunk drops its
+nulls; a non-streaming body is a full dump, every null included.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import attrs
 import orjson
 
 from narwhal.sim import _text
-from narwhal.sim._answer import Answer, Group, Token
+from narwhal.sim._answer import SILENT, Answer, Group, Token
 from narwhal.sim._request import Dialect, SimFailure
 
 __all__ = [
@@ -110,7 +117,8 @@ def _completion_logprobs(
 
 
 def _usage(dialect: Dialect, answer: Answer, completion: int, form: str) -> dict[str, Any]:
-    """Usage objects: ``final`` (the usage chunk), ``running`` (continuous), ``body``."""
+    """Usage objects: ``final`` (the usage chunk; vLLM's completions continuous usage too),
+    ``running`` (continuous), ``body``."""
     prompt = answer.prompt_tokens
     if dialect == "openai":
         return {
@@ -170,12 +178,13 @@ def _vllm_call_header(answer: Answer, group: Group) -> dict[str, Any]:
 
 
 def _vllm_delta(answer: Answer, group: Group) -> dict[str, Any]:
+    """The delta vLLM's parsers make of a group; empty when it shows nothing."""
+    if group.kind in SILENT:
+        return {}
     if group.kind == "reasoning":
         return {"reasoning": group.text}
     if group.kind == "refusal":
         return {"refusal": group.text}
-    if group.kind == "tool_end":
-        return {}
     if group.kind == "tool_name":
         # A forced call (tool_choice required or named): the name alone, content null.
         return {"content": None, "tool_calls": [_vllm_call_header(answer, group)]}
@@ -190,13 +199,64 @@ def _vllm_delta(answer: Answer, group: Group) -> dict[str, Any]:
     return {"content": group.text}
 
 
+def _vllm_prompt_entries(answer: Answer) -> list[tuple[str, float | None, dict[str, float] | None]]:
+    """An echoed prompt's completions logprob entries: (token, logprob, top), the first null.
+
+    The prompt's own token and the most likely ones, at most ``logprobs + 1`` of them.
+    """
+    request = answer.request
+    pieces = request.prompt_pieces()
+    scored = _text.prompt_logprobs(pieces, request.prompt_logprobs or 0)
+    entries: list[tuple[str, float | None, dict[str, float] | None]] = []
+    for (_, piece), scores in zip(pieces, scored, strict=True):
+        if scores is None:
+            entries.append((piece, None, None))
+            continue
+        values = list(scores.values())[: (request.logprobs or 0) + 1]
+        top = {v["decoded_token"]: v["logprob"] for v in values}
+        entries.append((piece, values[0]["logprob"], top))
+    return entries
+
+
+def _vllm_completion_logprobs(
+    answer: Answer, tokens: tuple[Token, ...], offset: int, echoed: bool
+) -> dict[str, Any] | None:
+    """Completions logprobs; an echo (of the first chunk, or a body) scores the prompt too."""
+    top = answer.request.logprobs
+    if top is None:
+        return None
+    offsets: list[int] = []
+    values: list[float | None] = []
+    pieces: list[str] = []
+    tops: list[dict[str, float] | None] = []
+    entries: list[tuple[str, float | None, dict[str, float] | None]] = (
+        _vllm_prompt_entries(answer) if echoed else []
+    )
+    for token in tokens:
+        sampled = _text.logprob(token.position, token.text)
+        runners = _text.alternatives(token.position, token.text, max(top, 1) - 1)
+        entries.append((token.text, sampled, {token.text: sampled, **dict(runners)}))
+    for piece, value, best in entries:
+        offsets.append(offset)
+        offset += len(piece)
+        values.append(value)
+        pieces.append(piece)
+        tops.append(best)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": values,
+        "tokens": pieces,
+        "top_logprobs": tops,
+    }
+
+
 def _vllm_chat(answer: Answer) -> list[Chunk]:
     request = answer.request
     head = _head(answer, "chat.completion.chunk")
     groups = list(answer.groups)
     role_choice = {
         "index": 0,
-        "delta": {"role": "assistant", "content": ""},
+        "delta": {"role": request.role, "content": ""},
         "logprobs": None,
         "finish_reason": None,
     }
@@ -206,7 +266,20 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
     if request.ids_keys:
         role["prompt_token_ids"] = request.prompt_ids() if request.want_ids else None
         role["prompt_text"] = None
-    chunks = [Chunk(_role_time(answer, groups), role)]
+    at = _role_time(answer, groups)
+    chunks = [Chunk(at, role)]
+    if request.echo_text:
+        # vLLM echoes the last message in a chunk of its own, without token_ids.
+        echo_choice = {
+            "index": 0,
+            "delta": {"content": request.echo_text},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        echo: dict[str, Any] = {**head, "choices": [echo_choice]}
+        if request.continuous_usage:
+            echo["usage"] = _usage("vllm", answer, 0, "running")
+        chunks.append(Chunk(at, echo))
     if not groups:  # nothing generated: one finish chunk with no text and no IDs
         groups_or_none: list[Group | None] = [None]
     else:
@@ -215,10 +288,15 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
     for group in groups_or_none:
         last = group is groups_or_none[-1]
         tokens = group.tokens if group else ()
+        sent += len(tokens)
+        delta = _vllm_delta(answer, group) if group else {"content": ""}
+        logprobs = _chat_logprobs("vllm", tokens, request.logprobs)
+        if not delta and not last and logprobs is None and not request.want_ids:
+            continue  # tokens whose text is held back: vLLM sends nothing for them
         choice: dict[str, Any] = {
             "index": 0,
-            "delta": _vllm_delta(answer, group) if group else {"content": ""},
-            "logprobs": _chat_logprobs("vllm", tokens, request.logprobs),
+            "delta": delta,
+            "logprobs": logprobs,
             "finish_reason": answer.finish_reason if last else None,
         }
         if last:
@@ -226,22 +304,19 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
         ids = group.ids if group else []
         if request.ids_keys:
             choice["token_ids"] = ids if request.want_ids else None
-        if last:
-            choice["weight_versions"] = None
         obj: dict[str, Any] = {**head, "choices": [choice]}
-        sent += len(tokens)
         if request.continuous_usage:
             obj["usage"] = _usage("vllm", answer, sent, "running")
         if last and not request.include_usage:
             obj["system_fingerprint"] = answer.fingerprint
-        obj["kv_transfer_params"] = None
-        at = group.step if group else answer.end_step
+        step = group.step if group else answer.end_step
         position = group.last if group else -1
-        chunks.append(Chunk(at, obj, ids, position, finish=last))
+        chunks.append(Chunk(step, obj, ids, position, finish=last))
     return chunks
 
 
 def _vllm_completions(answer: Answer) -> list[Chunk]:
+    """Every group is a chunk, held-back tokens included (their text is empty)."""
     request = answer.request
     head = _head(answer, "text_completion")
     groups_or_none: list[Group | None] = list(answer.groups) or [None]
@@ -253,28 +328,32 @@ def _vllm_completions(answer: Answer) -> list[Chunk]:
         tokens = group.tokens if group else ()
         text = group.text if group else ""
         ids = group.ids if group else []
+        echoed = request.echo and number == 0
+        if echoed and not request.want_ids:
+            text = request.echo_text + text  # vLLM drops the echo when IDs are returned
+        logprobs = _vllm_completion_logprobs(answer, tokens, offset, echoed)
         choice: dict[str, Any] = {
             "index": 0,
             "text": text,
-            "logprobs": _completion_logprobs("vllm", tokens, request.logprobs, offset),
+            "logprobs": logprobs,
             "finish_reason": answer.finish_reason if last else None,
             "stop_reason": answer.stop_reason if last else None,
         }
         if request.ids_keys:
-            wanted = request.want_ids
-            choice["prompt_token_ids"] = request.prompt_ids() if wanted and number == 0 else None
-            choice["token_ids"] = ids if wanted else None
-        choice["weight_versions"] = None
-        offset += len(text)
+            # The first chunk returns the prompt's IDs when asked, and always with an echo.
+            first = number == 0 and (request.want_ids or request.echo)
+            choice["prompt_token_ids"] = request.prompt_ids() if first else None
+            choice["token_ids"] = ids if request.want_ids else None
+        if logprobs is not None and logprobs["tokens"]:
+            offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         sent += len(tokens)
         obj: dict[str, Any] = {**head, "choices": [choice]}
         if request.continuous_usage:
-            obj["usage"] = _usage("vllm", answer, sent, "running")
+            obj["usage"] = _usage("vllm", answer, sent, "final")
         if last and not request.include_usage:
             obj["system_fingerprint"] = answer.fingerprint
-        obj["kv_transfer_params"] = None
-        at = group.step if group else answer.end_step
-        chunks.append(Chunk(at, obj, ids, group.last if group else -1, finish=last))
+        step = group.step if group else answer.end_step
+        chunks.append(Chunk(step, obj, ids, group.last if group else -1, finish=last))
     return chunks
 
 
@@ -587,6 +666,13 @@ def _tool_calls(answer: Answer, with_index: bool) -> list[dict[str, Any]]:
     return calls
 
 
+def _vllm_prompt_logprobs(answer: Answer) -> list[dict[str, dict[str, Any]] | None] | None:
+    count = answer.request.prompt_logprobs
+    if count is None:
+        return None
+    return _text.prompt_logprobs(answer.request.prompt_pieces(), count)
+
+
 def _vllm_body(answer: Answer) -> dict[str, Any]:
     request = answer.request
     tokens = _all_tokens(answer)
@@ -596,8 +682,10 @@ def _vllm_body(answer: Answer) -> dict[str, Any]:
         content = _message_text(answer)
         if content is None and request.forced_tools is not None:
             content = ""  # vLLM: null when a parser found the calls, "" when they were forced
+        if request.echo:
+            content = request.echo_text + (content or "")
         message: dict[str, Any] = {
-            "role": "assistant",
+            "role": request.role,
             "content": content,
             "refusal": answer.text_of("refusal") or None,
             "annotations": None,
@@ -617,34 +705,33 @@ def _vllm_body(answer: Answer) -> dict[str, Any]:
         if request.ids_keys:
             choice["token_ids"] = ids
         choice["routed_experts"] = None
-        choice["weight_versions"] = None
         body: dict[str, Any] = {
             **_head(answer, "chat.completion"),
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": answer.fingerprint,
             "usage": _usage("vllm", answer, answer.output_tokens, "body"),
-            "prompt_logprobs": None,
+            "prompt_logprobs": _vllm_prompt_logprobs(answer),
         }
         if request.ids_keys:
             body["prompt_token_ids"] = prompt_ids
             body["prompt_text"] = None
         body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return body
+    echo = request.echo_text if request.echo and not request.want_ids else ""
     choice = {
         "index": 0,
-        "text": answer.text_of("content"),
-        "logprobs": _completion_logprobs("vllm", tokens, request.logprobs, 0),
+        "text": echo + answer.text_of("content"),
+        "logprobs": _vllm_completion_logprobs(answer, tokens, 0, request.echo),
         "finish_reason": answer.finish_reason,
         "stop_reason": answer.stop_reason,
     }
     if request.ids_keys:
         choice["token_ids"] = ids
-    choice["prompt_logprobs"] = None
+    choice["prompt_logprobs"] = _vllm_prompt_logprobs(answer)
     if request.ids_keys:
         choice["prompt_token_ids"] = prompt_ids
     choice["routed_experts"] = None
-    choice["weight_versions"] = None
     return {
         **_head(answer, "text_completion"),
         "choices": [choice],

@@ -12,18 +12,28 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
+    "EOS_TEXT",
     "EOS_TOKEN_ID",
+    "VOCAB_SIZE",
     "WORDS",
     "alternatives",
     "chat_prompt_text",
     "estimate_tokens",
+    "held_token_id",
     "logprob",
     "prompt_ids",
+    "prompt_logprobs",
+    "prompt_pieces",
     "token_id",
 ]
 
 CHARS_PER_TOKEN = 4
 EOS_TOKEN_ID = 151645
+EOS_TEXT = "<|im_end|>"
+"""The end-of-sequence token's text, as a logprob entry shows it (its delta shows nothing)."""
+VOCAB_SIZE = 151936
+"""The simulated vocabulary's size (Qwen's, whose special-token IDs the simulator borrows): what
+vLLM's ``-1`` ("every token") means for ``logprobs`` and ``prompt_logprobs``."""
 _ID_SPACE = 150000
 
 WORDS: tuple[str, ...] = (
@@ -51,11 +61,25 @@ def estimate_tokens(chars: int) -> int:
 
 def prompt_ids(text: str, count: int) -> list[int]:
     """``count`` deterministic IDs for a prompt: one per four-character slice, then padding."""
-    ids = []
+    return [token for token, _ in prompt_pieces(text, count)]
+
+
+def prompt_pieces(text: str, count: int) -> list[tuple[int, str]]:
+    """The prompt's ``count`` tokens as ``(id, text)``: four-character slices, then padding.
+
+    Padding tokens (a size forced beyond the text) decode to nothing.
+    """
+    pieces = []
     for index in range(count):
-        piece = text[index * CHARS_PER_TOKEN : (index + 1) * CHARS_PER_TOKEN] or f"<{index}>"
-        ids.append(zlib.crc32(piece.encode()) % _ID_SPACE + 100)
-    return ids
+        piece = text[index * CHARS_PER_TOKEN : (index + 1) * CHARS_PER_TOKEN]
+        key = piece or f"<{index}>"
+        pieces.append((zlib.crc32(key.encode()) % _ID_SPACE + 100, piece))
+    return pieces
+
+
+def held_token_id(number: int) -> int:
+    """The ID of the ``number``-th token whose text is held back (a UTF-8 continuation byte)."""
+    return token_id(f"<0x{0x80 + number % 64:02X}>")
 
 
 def _texts(value: Any) -> Iterable[str]:
@@ -89,6 +113,30 @@ def chat_prompt_text(messages: Sequence[Any]) -> str:
 def logprob(position: int, piece: str) -> float:
     """The sampled token's log-probability: deterministic, in [-2.5, -0.001]."""
     return -((zlib.crc32(f"{position}:{piece}".encode()) % 2500) + 1) / 1000
+
+
+def prompt_logprobs(
+    pieces: Sequence[tuple[int, str]], top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` for a prompt: null for the first token, then per token a map
+    from token ID (a string) to ``logprob``, ``rank`` and ``decoded_token``: the prompt's own
+    token first (with its rank), then the ``top`` most likely tokens.
+    """
+    result: list[dict[str, dict[str, Any]] | None] = [None] if pieces else []
+    for position, (token, piece) in enumerate(pieces[1:], start=1):
+        value = logprob(-position, piece)
+        rank = 1 + zlib.crc32(f"rank:{position}:{token}".encode()) % 40
+        entry = {str(token): {"logprob": value, "rank": rank, "decoded_token": piece}}
+        ranks = [r for r in range(1, top + 1) if r != rank][: top - 1 if rank <= top else top]
+        start = zlib.crc32(f"palt:{position}".encode()) % len(_ALTERNATIVES)
+        for offset, other in enumerate(ranks):
+            word = _ALTERNATIVES[(start + offset) % len(_ALTERNATIVES)]
+            entry.setdefault(
+                str(token_id(word)),
+                {"logprob": round(value * other / rank, 6), "rank": other, "decoded_token": word},
+            )
+        result.append(entry)
+    return result
 
 
 def alternatives(position: int, piece: str, count: int) -> list[tuple[str, float]]:

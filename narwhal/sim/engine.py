@@ -114,6 +114,7 @@ from __future__ import annotations
 
 import math
 import random
+import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any, Literal, NamedTuple
@@ -125,6 +126,8 @@ import trio
 from narwhal.sim import _shapes
 from narwhal.sim._answer import Answer, generate
 from narwhal.sim._request import (
+    DEFAULT_MAX_MODEL_LEN,
+    VLLM_VERSION,
     Dialect,
     Route,
     SimFailure,
@@ -150,7 +153,11 @@ DEFAULT_CREATED = 1767225600
 """The ``created`` of plans made without a clock (2026-01-01T00:00:00Z)."""
 
 _ROUTES: Mapping[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-_INFO_ROUTES = frozenset({"/health", "/v1/models", "/metrics"})
+_INFO_ROUTES = frozenset({"/health", "/v1/models", "/metrics", "/version"})
+_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+"""The paths vLLM's ``--api-key`` guards (``/health``, ``/metrics``, ``/version`` stay open)."""
+_UNAUTHORIZED = b'{"error":"Unauthorized"}'
+"""vLLM's 401 body: not the error envelope of its other answers."""
 _ADMIN_ROUTES: Mapping[str, str] = {
     "/sim/directives": "POST",
     "/sim/slowdown": "POST",
@@ -158,7 +165,7 @@ _ADMIN_ROUTES: Mapping[str, str] = {
 }
 _SSE_HEADERS = (("content-type", "text/event-stream; charset=utf-8"),)
 _JSON_HEADERS = (("content-type", "application/json"),)
-_METRICS_HEADERS = (("content-type", "text/plain; version=0.0.4; charset=utf-8"),)
+_METRICS_HEADERS = (("content-type", "text/plain; version=1.0.0; charset=utf-8"),)
 _DONE = b"data: [DONE]\n\n"
 _NOT_JSON = b"data: {this is not json\n\n"
 _AUDIO = {"id": "x"}
@@ -439,6 +446,11 @@ class SimEngine:
         name: a label for logs and tests.
         kv_capacity_tokens: KV-cache capacity in tokens; default the step profile's (262144
             for a per-request timing model, where it only scales ``vllm:kv_cache_usage_perc``).
+        max_model_len: the context length (vLLM dialect): reported in ``/v1/models``; a longer
+            prompt, or a larger ``max_tokens``, is vLLM's 400, and the output is capped at what
+            the prompt leaves.
+        api_key: as vLLM's ``--api-key``: every ``/v1`` route then wants
+            ``Authorization: Bearer <key>`` and answers vLLM's 401 without it (None: open).
     """
 
     model: str
@@ -451,6 +463,10 @@ class SimEngine:
     kv_capacity_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
     )
+    max_model_len: int = attrs.field(
+        default=DEFAULT_MAX_MODEL_LEN, validator=attrs.validators.gt(0)
+    )
+    api_key: str | None = None
     _directives: Mapping[str, Any] = attrs.field(init=False, factory=dict)
     _requests: int = attrs.field(init=False, default=0)
     _errors: int = attrs.field(init=False, default=0)
@@ -511,12 +527,24 @@ class SimEngine:
     # --- pure planning ------------------------------------------------------------------------
 
     def respond(
-        self, method: str, path: str, raw: bytes = b"", *, created: int | None = None
+        self,
+        method: str,
+        path: str,
+        raw: bytes = b"",
+        *,
+        created: int | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> SimPlan:
         """Answer any HTTP request: the info, admin and completion routes, 404 and 405.
 
-        The admin routes (``/sim/...``, see the module doc) act on the engine at once.
+        ``headers`` are the request's, looked up by lower-case name (a case-insensitive mapping
+        such as ``httpx.Headers`` does): ``authorization`` (with :attr:`api_key`) and
+        ``x-request-id`` (vLLM's response ``id``). The admin routes (``/sim/...``, see the module
+        doc) act on the engine at once.
         """
+        headers = headers or {}
+        if self.api_key is not None and not self._authorized(method, path, headers):
+            return _immediate(401, _UNAUTHORIZED, _JSON_HEADERS)
         if path in _ADMIN_ROUTES:
             if method != _ADMIN_ROUTES[path] and not (method == "HEAD" and path == "/sim/state"):
                 return self._not_found(method, path, 405)
@@ -524,18 +552,38 @@ class SimEngine:
         if path in _ROUTES:
             if method != "POST":
                 return self._not_found(method, path, 405)
-            return self.plan_bytes(path, raw, created=created)
-        if path in _INFO_ROUTES:
+            return self.plan_bytes(
+                path, raw, created=created, request_id=headers.get("x-request-id")
+            )
+        if path in _INFO_ROUTES and (path != "/version" or self.dialect == "vllm"):
             if method not in ("GET", "HEAD"):
                 return self._not_found(method, path, 405)
             if path == "/health":
                 return _immediate(200, b"", ())
             if path == "/metrics":
                 return _immediate(200, self.metrics_text().encode(), _METRICS_HEADERS)
+            if path == "/version":
+                return _immediate(200, orjson.dumps({"version": VLLM_VERSION}), _JSON_HEADERS)
             return _immediate(200, self.models_body(created=created), _JSON_HEADERS)
         return self._not_found(method, path, 404)
 
-    def plan_bytes(self, path: str, raw: bytes, *, created: int | None = None) -> SimPlan:
+    def _authorized(self, method: str, path: str, headers: Mapping[str, str]) -> bool:
+        """vLLM's check: a guarded path wants ``Authorization: Bearer <key>`` (OPTIONS passes)."""
+        if method == "OPTIONS" or not path.startswith(_GUARDED_PREFIXES):
+            return True
+        scheme, _, key = (headers.get("authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(
+            key.encode(), str(self.api_key).encode()
+        )
+
+    def plan_bytes(
+        self,
+        path: str,
+        raw: bytes,
+        *,
+        created: int | None = None,
+        request_id: str | None = None,
+    ) -> SimPlan:
         """:meth:`plan` for a raw body: invalid JSON is the engine's 400."""
         try:
             body = orjson.loads(raw)
@@ -558,9 +606,16 @@ class SimEngine:
                 body,
             )
             return self._failure_plan(failure)
-        return self.plan(path, body, created=created)
+        return self.plan(path, body, created=created, request_id=request_id)
 
-    def plan(self, path: str, body: Mapping[str, Any], *, created: int | None = None) -> SimPlan:
+    def plan(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        created: int | None = None,
+        request_id: str | None = None,
+    ) -> SimPlan:
         """Plan the answer to a completion request.
 
         The answer is a function of the seed and the body; its ``id`` and tool-call IDs also
@@ -571,6 +626,8 @@ class SimEngine:
             path: ``/v1/chat/completions`` or ``/v1/completions`` (others are a 404 plan).
             body: the request's JSON object.
             created: the ``created`` timestamp to report; default :data:`DEFAULT_CREATED`.
+            request_id: the ``X-Request-Id`` header: the vLLM dialect answers with
+                ``chatcmpl-<it>`` (``cmpl-<it>``) as the ``id``.
 
         Returns:
             The plan: an error, a timed SSE stream, or a non-streaming JSON body.
@@ -586,8 +643,11 @@ class SimEngine:
                 dialect=self.dialect,
                 model=self.model,
                 default_directives=self._directives,
+                max_model_len=self.max_model_len,
             )
         except SimFailure as failure:
+            if failure.in_band:
+                return self._in_band_plan(failure)
             return self._failure_plan(failure)
         directives = request.directives
         if directives.fault in ("http_500", "http_503", "http_400"):
@@ -600,6 +660,7 @@ class SimEngine:
             # The IDs differ per request (a real engine's are random), still from the seed.
             ids=random.Random(f"{self.seed}|{self.name}|{self._requests}"),
             created=DEFAULT_CREATED if created is None else created,
+            request_id=request_id,
         )
         overridden = directives.ttft_s is not None or directives.itl_s is not None
         batched = self._steps is not None and not overridden
@@ -609,15 +670,40 @@ class SimEngine:
         return self._body_plan(answer, clock, batched)
 
     def models_body(self, *, created: int | None = None) -> bytes:
-        """The ``/v1/models`` answer: an OpenAI list holding the one model."""
+        """The ``/v1/models`` answer: an OpenAI list holding the one model.
+
+        vLLM's model card adds ``root`` (the model's path; here its name), ``parent``,
+        ``max_model_len`` and one ``permission`` object.
+        """
+        when = DEFAULT_CREATED if created is None else created
         entry: dict[str, Any] = {
             "id": self.model,
             "object": "model",
-            "created": DEFAULT_CREATED if created is None else created,
+            "created": when,
             "owned_by": {"vllm": "vllm", "sglang": "sglang", "openai": "system"}[self.dialect],
         }
         if self.dialect == "vllm":
-            entry.update(root=self.model, parent=None, max_model_len=131072)
+            digits = random.Random(f"{self.seed}|{self.name}|{when}").getrandbits(64)
+            permission = {
+                "id": f"modelperm-{digits:016x}",
+                "object": "model_permission",
+                "created": when,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+            entry.update(
+                root=self.model,
+                parent=None,
+                max_model_len=self.max_model_len,
+                permission=[permission],
+            )
         return orjson.dumps({"object": "list", "data": [entry]})
 
     def metrics_text(self) -> str:
@@ -751,6 +837,12 @@ class SimEngine:
         self._errors += 1
         body = _shapes.error_body(self.dialect, failure)
         return attrs.evolve(_immediate(failure.status, body, _JSON_HEADERS), completion=True)
+
+    def _in_band_plan(self, failure: SimFailure) -> SimPlan:
+        """vLLM's answer to a stream that fails once generating: 200, an error frame, [DONE]."""
+        self._errors += 1
+        frames = (Frame(0.0, _shapes.error_frame(self.dialect, failure)), Frame(0.0, _DONE))
+        return SimPlan(status=200, headers=_SSE_HEADERS, frames=frames, completion=True)
 
     def _fault_failure(self, fault: str, route: Route) -> SimFailure:
         if fault == "http_500":

@@ -3,7 +3,8 @@
 ``narwhal sim --bind 127.0.0.1:8101 --model llama-3.1-8b-instruct`` runs one engine server;
 :func:`serve_sim` embeds one in a Trio program (bind port 0 picks a free port; the real URL is
 reported through ``task_status``). Routes: ``/health``, ``/v1/models``, ``/metrics`` (vLLM's gauge
-names), ``/v1/chat/completions``, ``/v1/completions``, and the run-time switches
+names), ``/version`` (vLLM dialect), ``/v1/chat/completions``, ``/v1/completions``, and the
+run-time switches
 ``POST /sim/directives``, ``POST /sim/slowdown`` and ``GET /sim/state`` (see
 :mod:`narwhal.sim.engine`); every other route answers JSON (the dialect's 404 or 405).
 
@@ -32,16 +33,24 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from narwhal.sim._request import DEFAULT_MAX_MODEL_LEN
 from narwhal.sim.engine import SimConnectionDropped, SimEngine
 from narwhal.sim.timing import PROFILES, profile
 
 __all__ = ["create_sim_app", "main", "serve_sim"]
 
 
+def _headers() -> dict[str, str]:
+    """The request's headers, names lower-cased (as :meth:`SimEngine.respond` reads them)."""
+    return {name.lower(): value for name, value in request.headers.items()}
+
+
 async def _answer(engine: SimEngine) -> Response:
     data = await request.get_data(cache=False, as_text=False)
     raw = data.encode() if isinstance(data, str) else data
-    plan = engine.respond(request.method, request.path, raw, created=int(time.time()))
+    plan = engine.respond(
+        request.method, request.path, raw, created=int(time.time()), headers=_headers()
+    )
     stream = engine.stream(plan)
     try:
         await stream.wait_head()
@@ -75,17 +84,19 @@ def create_sim_app(engine: SimEngine) -> QuartTrio:
         return await _answer(engine)
 
     async def info() -> Response:
-        plan = engine.respond(request.method, request.path, created=int(time.time()))
+        plan = engine.respond(
+            request.method, request.path, created=int(time.time()), headers=_headers()
+        )
         return Response(plan.body, status=plan.status, headers=dict(plan.headers))
 
     async def admin() -> Response:
         data = await request.get_data(cache=False, as_text=False)
         raw = data.encode() if isinstance(data, str) else data
-        plan = engine.respond(request.method, request.path, raw)
+        plan = engine.respond(request.method, request.path, raw, headers=_headers())
         return Response(plan.body, status=plan.status, headers=dict(plan.headers))
 
     async def not_found(_: Exception) -> Response:
-        plan = engine.respond(request.method, request.path)
+        plan = engine.respond(request.method, request.path, headers=_headers())
         return Response(plan.body, status=plan.status, headers=dict(plan.headers))
 
     async def too_large(_: Exception) -> Response:
@@ -95,7 +106,7 @@ def create_sim_app(engine: SimEngine) -> QuartTrio:
 
     for path in ("/v1/chat/completions", "/v1/completions"):
         app.add_url_rule(path, f"completion:{path}", completion, methods=["POST"])
-    for path in ("/health", "/v1/models", "/metrics"):
+    for path in ("/health", "/v1/models", "/metrics", "/version"):
         app.add_url_rule(path, f"info:{path}", info, methods=["GET"])
     for path, method in (
         ("/sim/directives", "POST"),
@@ -177,6 +188,17 @@ def _parser() -> argparse.ArgumentParser:
         help="multiplies every simulated duration (0.1: ten times faster)",
     )
     parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help="the context length (vllm dialect: longer prompts are refused; default %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="as vLLM's --api-key: /v1 routes want 'Authorization: Bearer KEY' (default: open)",
+    )
+    parser.add_argument(
         "--jitter",
         type=float,
         default=0.0,
@@ -193,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = bind_problem(args.bind) or time_scale_problem(args.time_scale)
     if problem is None and not 0 <= args.jitter <= 1:
         problem = f"--jitter must be between 0 and 1, got {args.jitter:g}"
+    if problem is None and args.max_model_len < 1:
+        problem = f"--max-model-len must be at least 1, got {args.max_model_len}"
     if problem is not None:
         print(f"narwhal sim: {problem}", file=sys.stderr)
         return 2
@@ -206,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Named per process: response IDs derive from the seed and the name, and two engines
         # behind one router must not share them.
         name=f"sim-{os.getpid()}",
+        max_model_len=args.max_model_len,
+        api_key=args.api_key,
     )
 
     async def run() -> None:

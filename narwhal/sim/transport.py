@@ -115,7 +115,9 @@ class SimTransport(httpx.AsyncBaseTransport):
         self._received += 1
         raw = await request.aread()
         path = request.url.path
-        plan = self.engine.respond(request.method, path, raw, created=int(time.time()))
+        plan = self.engine.respond(
+            request.method, path, raw, created=int(time.time()), headers=request.headers
+        )
         if not plan.completion:
             return httpx.Response(plan.status, headers=plan.headers, content=plan.body)
         self._record(raw, request)

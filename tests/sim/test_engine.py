@@ -228,13 +228,14 @@ def test_statistics_count_plans_and_running_streams() -> None:
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "stream_options": 1},
          "body.stream_options"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                "top_logprobs": 21}, "top_logprobs"),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+                "top_logprobs": 21}, "logprobs"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": -1}, "logprobs"),  # the whole vocabulary
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 0}, None),
         (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
         (COMPLETIONS, {"prompt": [1, -2]}, "prompt"),
     ],
 )  # fmt: skip
-def test_request_validation(path: str, body: dict[str, Any], param: str) -> None:
+def test_request_validation(path: str, body: dict[str, Any], param: str | None) -> None:
     plan = SimEngine(MODEL).plan(path, body)
     assert plan.status == 400
     assert json_body(plan)["error"]["param"] == param
@@ -243,7 +244,7 @@ def test_request_validation(path: str, body: dict[str, Any], param: str) -> None
 def test_lenient_request_forms() -> None:
     engine = SimEngine(MODEL)
     accepted: list[tuple[str, dict[str, Any]]] = [
-        (COMPLETIONS, {"prompt": ["one prompt"], "logprobs": -1}),
+        (COMPLETIONS, {"prompt": ["one prompt"], "logprobs": 20}),
         (COMPLETIONS, {"prompt": [[1, 2, 3]]}),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "stop": []}),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "unknown_field": 1}),

@@ -1,11 +1,16 @@
-"""vLLM 0.33 shapes, key for key against the captures (pure: plans, no event loop)."""
+"""vLLM 0.32 shapes and values beyond the captures (pure: plans, no event loop).
+
+``test_vllm032_captures`` compares the simulator with real vLLM 0.32 answers. These tests
+cover what the captures do not show, from vLLM's source (``vllm/entrypoints/openai``): the
+reasoning and hermes deltas (whose delta shapes ``reference/vllm-0.33-captures`` shows, same in
+0.32), stop strings, ``stream_interval``, and the token accounting of silent tokens.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-import orjson
 import pytest
 
 from narwhal.sim import SimEngine
@@ -20,7 +25,11 @@ from tests.sim.helpers import (
     plan_events,
     skeleton,
 )
-from tests.sim.wire_033 import CHUNKS, STREAMS
+from tests.sim.vllm_captures import capture, same, shape
+from tests.sim.wire_033 import CHUNKS
+
+EOS = 151645
+TOOL_CALL, END_TOOL_CALL, END_THINK = 151657, 151658, 151668
 
 
 @pytest.fixture
@@ -28,35 +37,8 @@ def engine() -> SimEngine:
     return SimEngine(MODEL)
 
 
-def same_shapes(produced: list[Any], captured_lines: list[str]) -> None:
-    expected = [line.removeprefix("data: ") for line in captured_lines]
-    assert len(produced) == len(expected)
-    for ours, theirs in zip(produced, expected, strict=True):
-        if theirs == "[DONE]":
-            assert ours == "[DONE]"
-        else:
-            assert skeleton(ours) == skeleton(orjson.loads(theirs))
-
-
-@pytest.mark.parametrize(
-    ("capture", "fields"),
-    [
-        ("streams: CHAT: plain stream, no stream_options", {}),
-        ("streams: CHAT: include_usage", {"stream_options": {"include_usage": True}}),
-        (
-            "streams: CHAT: include_usage + continuous_usage_stats",
-            {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-        ),
-        (
-            "streams: CHAT: return_token_ids + logprobs/top_logprobs=1",
-            {"return_token_ids": True, "logprobs": True, "top_logprobs": 1},
-        ),
-    ],
-)
-def test_chat_streams_match_the_captures(engine: SimEngine, capture: str, fields: Any) -> None:
-    plan = chat(engine, stream=True, narwhal_sim={"output_tokens": 3}, **fields)
-    assert plan.status == 200 and plan.streaming
-    same_shapes(plan_events(plan), STREAMS[capture])
+def delta_of(line: str) -> Any:
+    return captured(line)["choices"][0]["delta"]
 
 
 def test_plain_stream_values(engine: SimEngine) -> None:
@@ -65,9 +47,12 @@ def test_plain_stream_values(engine: SimEngine) -> None:
     )
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert role["prompt_token_ids"] is None
+    assert [list(c["choices"][0]["delta"]) for c in content] == [["content"]] * 2
     assert all(chunk["choices"][0]["token_ids"] is None for chunk in [*content, finish])
+    # The third token is the end of sequence: vLLM shows no text for it.
+    assert finish["choices"][0]["delta"] == {}
     assert finish["choices"][0]["finish_reason"] == "stop"
-    assert finish["system_fingerprint"].startswith("vllm-0.33.0-")
+    assert finish["system_fingerprint"].startswith("vllm-0.32.0-")
     assert len({chunk["id"] for chunk in [role, *content, finish]}) == 1
     assert done == "[DONE]"
 
@@ -86,6 +71,7 @@ def test_token_ids_with_return_token_ids(engine: SimEngine) -> None:
     assert isinstance(prompt_ids, list) and all(isinstance(i, int) and i >= 0 for i in prompt_ids)
     ids = [i for chunk in chunks for i in chunk["choices"][0]["token_ids"]]
     assert len(ids) == 5 and all(type(i) is int and i >= 0 for i in ids)
+    assert ids[-1] == EOS
     assert usage["usage"] == {
         "prompt_tokens": len(prompt_ids),
         "total_tokens": len(prompt_ids) + 5,
@@ -95,12 +81,24 @@ def test_token_ids_with_return_token_ids(engine: SimEngine) -> None:
     assert "system_fingerprint" not in chunks[-1]
 
 
+def test_the_end_of_sequence_in_logprobs(engine: SimEngine) -> None:
+    finish = plan_events(
+        chat(engine, stream=True, logprobs=True, narwhal_sim={"output_tokens": 1})
+    )[-2]
+    (entry,) = finish["choices"][0]["logprobs"]["content"]
+    assert finish["choices"][0]["delta"] == {}
+    assert entry["token"] == "<|im_end|>" and entry["bytes"] == list(b"<|im_end|>")
+
+
 def test_chat_logprobs_with_two_alternatives(engine: SimEngine) -> None:
     chunk = plan_events(
-        chat(engine, stream=True, logprobs=True, top_logprobs=2, narwhal_sim={"output_tokens": 2})
+        chat(engine, stream=True, logprobs=True, top_logprobs=2, narwhal_sim={"output_tokens": 3})
     )[1]
-    key = "chunks: chat content delta with logprobs (logprobs=true, top_logprobs=2)"
-    assert skeleton(chunk) == skeleton(captured(CHUNKS[key]))
+    real = capture("chat_stream_logprobs").events()[1]
+    assert same(
+        shape(chunk["choices"][0]["logprobs"]["content"][0]),
+        shape(real["choices"][0]["logprobs"]["content"][0]),
+    )
     entry = chunk["choices"][0]["logprobs"]["content"][0]
     assert entry["token"] == chunk["choices"][0]["delta"]["content"]
     assert entry["bytes"] == list(entry["token"].encode())
@@ -110,12 +108,20 @@ def test_chat_logprobs_with_two_alternatives(engine: SimEngine) -> None:
 
 
 def test_reasoning_deltas_come_first(engine: SimEngine) -> None:
-    chunks = plan_events(
-        chat(engine, stream=True, narwhal_sim={"output_tokens": 5, "reasoning_tokens": 2})
-    )[1:-1]
+    fields = {"narwhal_sim": {"output_tokens": 6, "reasoning_tokens": 2}}
+    chunks = plan_events(chat(engine, stream=True, return_token_ids=True, **fields))[1:-1]
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
-    assert [list(delta) for delta in deltas] == [["reasoning"]] * 2 + [["content"]] * 3
-    assert skeleton(chunks[0]) == skeleton(captured(CHUNKS["chunks: chat reasoning delta"]))
+    # </think> and the end of sequence show nothing (vLLM's parser strips the one, the
+    # detokenizer skips the other); their IDs travel in empty deltas.
+    assert [list(delta) for delta in deltas] == [["reasoning"]] * 2 + [[]] + [["content"]] * 2 + [
+        []
+    ]
+    assert chunks[2]["choices"][0]["token_ids"] == [END_THINK]
+    assert delta_of(CHUNKS["chunks: chat reasoning delta"]).keys() == deltas[0].keys()
+    plain = plan_events(chat(engine, stream=True, **fields))[1:-1]
+    assert [list(c["choices"][0]["delta"]) for c in plain] == [["reasoning"]] * 2 + [
+        ["content"]
+    ] * 2 + [[]]
 
 
 def test_tool_calls_in_the_hermes_shape(engine: SimEngine) -> None:
@@ -123,12 +129,11 @@ def test_tool_calls_in_the_hermes_shape(engine: SimEngine) -> None:
     plan = chat(engine, stream=True, tools=tools, narwhal_sim={"tool_calls": 2})
     _role, *chunks, finish, done = plan_events(plan)
     header, args = chunks[0], chunks[1]
-    assert skeleton(header) == skeleton(
-        captured(CHUNKS["chunks: chat tool-call header delta (hermes parser)"])
+    assert skeleton(header["choices"][0]["delta"]) == skeleton(
+        delta_of(CHUNKS["chunks: chat tool-call header delta (hermes parser)"])
     )
-    assert skeleton(args) == skeleton(captured(CHUNKS["chunks: chat tool-call args delta"]))
-    assert skeleton(finish) == skeleton(
-        captured(CHUNKS["chunks: chat final chunk (finish_reason, include_usage off)"])
+    assert skeleton(args["choices"][0]["delta"]) == skeleton(
+        delta_of(CHUNKS["chunks: chat tool-call args delta"])
     )
     first = header["choices"][0]["delta"]["tool_calls"]
     assert len(first) == 2 and first[0]["index"] == first[1]["index"] == 0
@@ -148,6 +153,19 @@ def test_tool_calls_in_the_hermes_shape(engine: SimEngine) -> None:
     assert done == "[DONE]"
 
 
+def test_hermes_markup_travels_in_hidden_chunks_with_ids(engine: SimEngine) -> None:
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    events = plan_events(
+        chat(engine, stream=True, return_token_ids=True, tools=tools, narwhal_sim={"tool_calls": 1})
+    )[1:-1]
+    empty = [e["choices"][0]["token_ids"] for e in events if not e["choices"][0]["delta"]]
+    assert empty == [[TOOL_CALL], [END_TOOL_CALL], [EOS]]
+    fields = {"return_token_ids": True, "tools": tools, "narwhal_sim": {"tool_calls": 1}}
+    body = json_body(chat(engine, **fields))
+    assert body["choices"][0]["token_ids"][0] == TOOL_CALL
+    assert body["usage"]["completion_tokens"] == 7  # <tool_call>, 4 fragments, </tool_call>, EOS
+
+
 def test_stop_string_is_the_stop_reason(engine: SimEngine) -> None:
     finish = plan_events(
         chat(engine, stream=True, stop=["</answer>"], narwhal_sim={"output_tokens": 2})
@@ -155,7 +173,8 @@ def test_stop_string_is_the_stop_reason(engine: SimEngine) -> None:
     expected = captured(CHUNKS["chunks: chat final chunk with stop string (stop=['</answer>'])"])
     assert finish["choices"][0]["stop_reason"] == "</answer>"
     assert finish["choices"][0]["finish_reason"] == "stop"
-    assert skeleton(finish["choices"]) == skeleton(expected["choices"])
+    # An answer that ends on a stop string has no end-of-sequence token: text on the finish.
+    assert skeleton(finish["choices"][0]["delta"]) == skeleton(expected["choices"][0]["delta"])
 
 
 def test_max_tokens_cut_is_a_length_finish(engine: SimEngine) -> None:
@@ -167,14 +186,19 @@ def test_max_tokens_cut_is_a_length_finish(engine: SimEngine) -> None:
     assert events[-2]["choices"][0]["stop_reason"] is None
 
 
-def test_chat_non_streaming_matches_the_capture(engine: SimEngine) -> None:
+def test_chat_non_streaming_with_tool_calls_and_reasoning(engine: SimEngine) -> None:
     plan = chat(engine, return_token_ids=True, narwhal_sim={"tool_calls": 1, "reasoning_tokens": 2})
     body = json_body(plan)
-    key = "chunks: chat non-streaming (JSONResponse(content=model_dump()))"
-    assert skeleton(body) == skeleton(captured(CHUNKS[key]))
+    real = capture("chat_nonstream_tool_named").json()
+    assert [key for key in body] == [key for key in real]
+    assert list(body["choices"][0]) == list(real["choices"][0])
+    assert list(body["choices"][0]["message"]) == list(real["choices"][0]["message"])
     message = body["choices"][0]["message"]
+    # A call the hermes parser found: content null (a forced call's is "").
     assert message["content"] is None and message["reasoning"]
-    assert body["usage"]["completion_tokens"] == len(body["choices"][0]["token_ids"]) == 7
+    # 2 reasoning, </think>, <tool_call>, 4 fragments, </tool_call>, the end of sequence.
+    assert body["usage"]["completion_tokens"] == len(body["choices"][0]["token_ids"]) == 10
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert plan.head_delay_s > 0 and plan.frames[0].delay_s == 0
 
 
@@ -185,49 +209,36 @@ def test_plain_non_streaming_answer(engine: SimEngine) -> None:
     assert "tool_calls" not in choice["message"]
     assert choice["token_ids"] is None and body["prompt_token_ids"] is None
     assert body["usage"]["completion_tokens"] == 4
+    assert body["prompt_logprobs"] is None
 
 
-@pytest.mark.parametrize(
-    ("capture", "fields"),
-    [
-        ("streams: COMPLETIONS: plain stream", {}),
-        (
-            "streams: COMPLETIONS: return_token_ids + logprobs=1 + include_usage",
-            {"return_token_ids": True, "logprobs": 1, "stream_options": {"include_usage": True}},
-        ),
-    ],
-)
-def test_completion_streams_match_the_captures(
-    engine: SimEngine, capture: str, fields: Any
-) -> None:
-    plan = completion(engine, stream=True, max_tokens=3, **fields)
-    events = plan_events(plan)
-    same_shapes(events, STREAMS[capture])
-    finish = [e for e in events[:-1] if e["choices"]][-1]
-    assert finish["choices"][0]["finish_reason"] == "length"
+def test_completion_streams_end_on_the_end_of_sequence(engine: SimEngine) -> None:
+    events = plan_events(completion(engine, stream=True, narwhal_sim={"output_tokens": 3}))[:-1]
+    assert [bool(e["choices"][0]["text"]) for e in events] == [True, True, False]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "system_fingerprint" in events[-1]
 
 
 def test_completion_logprob_offsets_are_absolute(engine: SimEngine) -> None:
     events = plan_events(
         completion(engine, stream=True, logprobs=2, narwhal_sim={"output_tokens": 4})
     )[:-1]
-    key = "chunks: completion delta with logprobs=2"
-    assert skeleton(events[1]) == skeleton(captured(CHUNKS[key]))
+    real = capture("completions_stream_logprobs").events()[1]
+    assert skeleton(events[1]["choices"][0]["logprobs"]) == skeleton(real["choices"][0]["logprobs"])
     offset = 0
     for event in events:
         choice = event["choices"][0]
         assert choice["logprobs"]["text_offset"] == [offset]
-        assert choice["logprobs"]["tokens"] == [choice["text"]]
         assert len(choice["logprobs"]["top_logprobs"][0]) == 2
-        offset += len(choice["text"])
+        offset += len(choice["logprobs"]["tokens"][0])
+    assert events[-1]["choices"][0]["logprobs"]["tokens"] == ["<|im_end|>"]
+    assert events[-1]["choices"][0]["text"] == ""
 
 
 def test_completion_prompt_ids_on_the_first_chunk_only(engine: SimEngine) -> None:
     events = plan_events(
         completion(engine, stream=True, return_token_ids=True, narwhal_sim={"output_tokens": 3})
     )[:-1]
-    first = "chunks: completion first delta (return_token_ids=true)"
-    assert skeleton(events[0]) == skeleton(captured(CHUNKS[first]))
     prompt_ids = events[0]["choices"][0]["prompt_token_ids"]
     assert len(prompt_ids) == 6  # 24 characters
     assert [e["choices"][0]["prompt_token_ids"] for e in events[1:]] == [None, None]
@@ -244,19 +255,24 @@ def test_completion_final_chunk_and_usage_chunk(engine: SimEngine) -> None:
         )
     )
     usage = events[-2]
-    assert skeleton(usage) == skeleton(captured(CHUNKS["chunks: completion usage-only chunk"]))
+    assert skeleton(usage) == skeleton(capture("completions_stream_logprobs").events()[-2])
     assert events[-3]["choices"][0]["stop_reason"] == "\n"
+    assert "system_fingerprint" not in events[-3]
     alone = plan_events(
         completion(engine, stream=True, stop="\n", narwhal_sim={"output_tokens": 2})
     )[-2]
-    key = "chunks: completion final delta (stop string, include_usage off)"
-    assert skeleton(alone) == skeleton(captured(CHUNKS[key]))
+    assert alone["choices"][0]["stop_reason"] == "\n" and "system_fingerprint" in alone
 
 
-def test_completion_non_streaming_matches_the_capture(engine: SimEngine) -> None:
-    body = json_body(completion(engine, return_token_ids=True, narwhal_sim={"output_tokens": 2}))
-    assert skeleton(body) == skeleton(captured(CHUNKS["chunks: completion non-streaming"]))
-    assert body["usage"]["prompt_tokens"] == len(body["choices"][0]["prompt_token_ids"])
+def test_completions_continuous_usage_has_no_details(engine: SimEngine) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = plan_events(
+        completion(engine, stream=True, stream_options=options, narwhal_sim={"output_tokens": 2})
+    )[:-2]
+    assert [list(c["usage"]) for c in chunks] == [
+        ["prompt_tokens", "total_tokens", "completion_tokens"]
+    ] * 2
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2]
 
 
 def test_completions_default_to_sixteen_tokens(engine: SimEngine) -> None:
@@ -300,6 +316,8 @@ def test_stream_interval_sends_the_first_token_alone(engine: SimEngine) -> None:
         )
     )[1:-1]
     assert [len(e["choices"][0]["token_ids"]) for e in events] == [1, 3, 3, 1]
+    # The end of sequence rides with the last text, as vLLM's interval output carries it.
+    assert events[-1]["choices"][0]["token_ids"] == [EOS]
 
 
 def test_tokens_per_chunk_directive(engine: SimEngine) -> None:
@@ -314,6 +332,7 @@ def test_tokens_per_chunk_directive(engine: SimEngine) -> None:
     )[1:-1]
     assert [len(e["choices"][0]["token_ids"]) for e in events] == [2, 2, 2]
     assert all(len(e["choices"][0]["logprobs"]["content"]) == 2 for e in events)
+    assert events[-1]["choices"][0]["delta"]["content"]  # a word and the end of sequence
 
 
 # --- errors: exact bodies ---------------------------------------------------------------------
@@ -341,13 +360,13 @@ _ERRORS: list[tuple[str, str, dict[str, Any], int]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("capture", "path", "body", "status"), _ERRORS)
+@pytest.mark.parametrize(("capture_name", "path", "body", "status"), _ERRORS)
 def test_errors_are_vllms_exact_bodies(
-    engine: SimEngine, capture: str, path: str, body: dict[str, Any], status: int
+    engine: SimEngine, capture_name: str, path: str, body: dict[str, Any], status: int
 ) -> None:
     plan = engine.plan(path, body)
     assert plan.status == status
-    assert json_body(plan) == captured(CHUNKS[capture])
+    assert json_body(plan) == captured(CHUNKS[capture_name])
 
 
 def test_malformed_json_is_vllms_400(engine: SimEngine) -> None:
@@ -359,17 +378,18 @@ def test_malformed_json_is_vllms_400(engine: SimEngine) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "path", "capture", "status"),
+    ("method", "path", "capture_name", "status"),
     [
         ("GET", "/v1/nothing", "errors: unknown route: HTTP 404", 404),
         ("GET", CHAT, "errors: wrong method: HTTP 405", 405),
+        ("GET", "/v1/models/qwen3-8b", "errors: unknown route: HTTP 404", 404),
     ],
 )
 def test_routes_answer_like_fastapi(
-    engine: SimEngine, method: str, path: str, capture: str, status: int
+    engine: SimEngine, method: str, path: str, capture_name: str, status: int
 ) -> None:
     plan = engine.respond(method, path)
-    assert (plan.status, json_body(plan)) == (status, captured(CHUNKS[capture]))
+    assert (plan.status, json_body(plan)) == (status, captured(CHUNKS[capture_name]))
 
 
 def test_more_than_one_choice_is_refused(engine: SimEngine) -> None:
