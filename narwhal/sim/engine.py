@@ -38,10 +38,14 @@ object: the engine-wide directives, :meth:`SimEngine.set_directives`), ``POST /s
 (``{"factor": 2.0}``: step and frame times are multiplied by 2 from now on,
 :meth:`SimEngine.set_slowdown`) and ``GET /sim/state`` (:meth:`SimEngine.statistics` as JSON).
 
-Dialects (``reference/vllm-0.33-captures/``): ``vllm`` (0.33: finish on the last token's chunk,
-``token_ids`` and ``prompt_token_ids`` with ``return_token_ids``, ``reasoning`` deltas, hermes
-tool calls with two fragments in the first delta, nested errors with an int ``code``),
-``sglang`` (0.5.23: explicit nulls, ``matched_stop``, ``usage: null`` on every chunk,
+Dialects: ``vllm`` (0.32, from real answers in ``tests/sim/captures/`` and vLLM's source: finish
+on the last token's chunk, ``token_ids`` and ``prompt_token_ids`` with ``return_token_ids``,
+every natural answer ending with the end-of-sequence token, which shows no text, tokens whose
+text is held back sent only for their IDs or logprobs, ``reasoning`` deltas, hermes tool calls
+with two fragments in the first delta, nested errors with an int ``code``, errors found while
+generating a stream sent in band, ``X-Request-Id`` as the ``id``, ``max_model_len`` and
+``--api-key`` enforced), ``sglang`` (0.5.23, ``reference/vllm-0.33-captures/``: explicit nulls,
+``matched_stop``, ``usage: null`` on every chunk,
 ``reasoning_content``, flat errors, ``return_token_ids`` refused on streaming chat) and
 ``openai`` (finish in a separate empty-delta chunk, no token IDs, hidden reasoning).
 
@@ -49,8 +53,10 @@ Request fields honoured: ``model`` (another name is a 404), ``messages`` / ``pro
 about four characters per token; ID prompts count exactly), ``stream``, ``stream_options``
 (``include_usage``, ``continuous_usage_stats``), ``max_tokens`` / ``max_completion_tokens``
 (completions default to 16, as vLLM and OpenAI do), ``return_token_ids``, ``stream_interval``
-(vLLM: first token alone, then ``k`` tokens a chunk), ``logprobs`` / ``top_logprobs``, ``n``
-(only 1), ``stop`` (a natural end reports the first stop string as ``stop_reason`` /
+(vLLM: first token alone, then ``k`` tokens a chunk), ``logprobs`` / ``top_logprobs`` (vLLM: at
+most 20), ``prompt_logprobs``, ``echo``, ``request_id`` and ``add_generation_prompt`` (vLLM),
+``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty`` (checked as vLLM does),
+``n`` (only 1), ``stop`` (a natural end reports the first stop string as ``stop_reason`` /
 ``matched_stop``), ``tools`` (names for the tool calls), ``tool_choice`` (``"required"`` or a
 named function force one tool call in the dialect's shape: for vLLM, the name alone in a first
 delta, then argument deltas with ``content: null``, and the finish ``tool_calls`` for
@@ -65,15 +71,23 @@ engine's own defaults (:meth:`SimEngine.set_directives`). Unknown keys or bad va
 whose ``param`` is ``narwhal_sim.<key>``.
 
 ``output_tokens: int``
-    Exact number of generated tokens (``usage.completion_tokens``; reasoning included). Default:
-    the reasoning tokens plus a seeded 8..48. ``max_tokens`` still cuts (finish ``length``).
+    Exact number of generated tokens (``usage.completion_tokens``; reasoning and the vLLM
+    dialect's silent tokens included, so an answer of 3 that ends naturally is two words and the
+    end of sequence). Default: the reasoning tokens plus a seeded 8..48. ``max_tokens`` still
+    cuts (finish ``length``).
 ``reasoning_tokens: int``
     Reasoning tokens before the content (chat): ``reasoning`` deltas (vLLM),
     ``reasoning_content`` (SGLang), hidden but timed and counted (OpenAI).
 ``tool_calls: int``
     Tool calls instead of content (chat): four argument tokens each, then one end token that
-    shows no text (vLLM sends it in an empty-delta finish chunk). Finish ``tool_calls``. Names
-    come from the request's ``tools``, else ``get_weather``.
+    shows no text (vLLM: each call opens with ``<tool_call>``, and ``</tool_call>`` and the end
+    of sequence close them, all three without text). Finish ``tool_calls``. Names come from the
+    request's ``tools``, else ``get_weather``.
+``hidden_tokens: int``
+    vLLM dialect: this many tokens whose text vLLM holds back (a character split across
+    tokens), one after each of the first visible tokens. They count, and travel in
+    ``{"delta": {}, "token_ids": [...]}`` chunks with ``return_token_ids`` (with logprobs when
+    asked, ``text: ""`` in completions); otherwise vLLM sends nothing for them.
 ``refusal: str``
     Refusal deltas instead of content (chat), one per word. Meant for the ``openai`` dialect; the
     others send them too if told.

@@ -103,6 +103,26 @@ async def test_run_time_switches_over_http(url: str) -> None:
     assert (wrong.status_code, bad.status_code) == (405, 400)
 
 
+async def test_api_key_and_request_id_over_http(nursery: trio.Nursery) -> None:
+    engine = SimEngine(MODEL, timing=profile("zero"), api_key="sekret")
+    with trio.fail_after(DEADLINE_S):
+        url: str = await nursery.start(serve_sim, engine, "127.0.0.1:0")
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.get("/v1/models")
+            unknown = await client.get("/v1/nowhere")
+            version = await client.get("/version")
+            answer = await client.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": MESSAGES},
+                headers={"Authorization": "Bearer sekret", "X-Request-Id": "over-http"},
+            )
+    nursery.cancel_scope.cancel()
+    assert (refused.status_code, refused.content) == (401, b'{"error":"Unauthorized"}')
+    assert unknown.status_code == 401
+    assert version.json() == {"version": "0.32.0"}
+    assert answer.json()["id"] == "chatcmpl-over-http"
+
+
 def test_the_command_prints_its_url_and_stops_on_ctrl_c() -> None:
     command = [
         sys.executable,
@@ -152,3 +172,5 @@ def test_the_command_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -
         main(["--bind", "127.0.0.1:0", "--model", MODEL, "--profile", "tpu"])
     assert exit_info.value.code == 2
     assert "h100-llama3-8b" in capsys.readouterr().err
+    assert main(["--bind", "127.0.0.1:0", "--model", MODEL, "--max-model-len", "0"]) == 2
+    assert "--max-model-len must be at least 1" in capsys.readouterr().err
