@@ -237,6 +237,8 @@ class SimRequest:
         request_id: the body's ``request_id`` (vLLM's ``id`` when no header gives one).
         role: the answer's role (vLLM: the last message's when ``add_generation_prompt`` is
             false).
+        reasoning_parser: the engine runs a reasoning parser (vLLM: chat usage then reports
+            ``completion_tokens_details.reasoning_tokens``).
     """
 
     route: Route
@@ -259,6 +261,7 @@ class SimRequest:
     prompt_logprobs: int | None = None
     request_id: str | None = None
     role: str = "assistant"
+    reasoning_parser: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -567,6 +570,7 @@ def parse_request(
     model: str,
     default_directives: Mapping[str, Any] | None = None,
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    reasoning_parser: bool = False,
 ) -> SimRequest:
     """Read a completion request the way the chosen engine would, in vLLM's stages.
 
@@ -699,4 +703,5 @@ def parse_request(
         echo_text=_echo_text(body, route, prompt_text, role) if echo else "",
         prompt_logprobs=prompt_logprobs,
         role=role,
+        reasoning_parser=reasoning_parser and vllm,
     )

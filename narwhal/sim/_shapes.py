@@ -116,9 +116,12 @@ def _completion_logprobs(
     }
 
 
-def _usage(dialect: Dialect, answer: Answer, completion: int, form: str) -> dict[str, Any]:
+def _usage(
+    dialect: Dialect, answer: Answer, completion: int, form: str, reasoning: int | None = None
+) -> dict[str, Any]:
     """Usage objects: ``final`` (the usage chunk; vLLM's completions continuous usage too),
-    ``running`` (continuous), ``body``."""
+    ``running`` (continuous), ``body``; ``reasoning`` is vLLM's reasoning-token count, given
+    when a reasoning parser serves chat."""
     prompt = answer.prompt_tokens
     if dialect == "openai":
         return {
@@ -138,16 +141,28 @@ def _usage(dialect: Dialect, answer: Answer, completion: int, form: str) -> dict
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
     }
+    details = None if reasoning is None else {"reasoning_tokens": reasoning}
     if dialect == "sglang":
         usage["prompt_tokens_details"] = None
         usage["reasoning_tokens"] = answer.reasoning_tokens
         usage["completion_tokens_details"] = None
     elif form == "running":
-        usage["completion_tokens_details"] = None
+        usage["completion_tokens_details"] = details
     elif form == "body":
         usage["prompt_tokens_details"] = None
-        usage["completion_tokens_details"] = None
+        usage["completion_tokens_details"] = details
+    elif details is not None:  # the usage chunk drops its nulls
+        usage["completion_tokens_details"] = details
     return usage
+
+
+def _reasoning(answer: Answer, tokens: int | None = None) -> int | None:
+    """vLLM's reasoning-token count (of the first ``tokens``), when a reasoning parser serves
+    chat; None otherwise."""
+    request = answer.request
+    if not request.reasoning_parser or request.route != "chat":
+        return None
+    return sum(1 for token in answer.tokens[:tokens] if token.kind == "reasoning")
 
 
 def _matched_stop(answer: Answer) -> str | int | None:
@@ -262,7 +277,7 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
     }
     role = {**head, "choices": [role_choice]}
     if request.continuous_usage:
-        role["usage"] = _usage("vllm", answer, 0, "running")
+        role["usage"] = _usage("vllm", answer, 0, "running", _reasoning(answer, 0))
     if request.ids_keys:
         role["prompt_token_ids"] = request.prompt_ids() if request.want_ids else None
         role["prompt_text"] = None
@@ -278,7 +293,7 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
         }
         echo: dict[str, Any] = {**head, "choices": [echo_choice]}
         if request.continuous_usage:
-            echo["usage"] = _usage("vllm", answer, 0, "running")
+            echo["usage"] = _usage("vllm", answer, 0, "running", _reasoning(answer, 0))
         chunks.append(Chunk(at, echo))
     if not groups:  # nothing generated: one finish chunk with no text and no IDs
         groups_or_none: list[Group | None] = [None]
@@ -306,7 +321,7 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
             choice["token_ids"] = ids if request.want_ids else None
         obj: dict[str, Any] = {**head, "choices": [choice]}
         if request.continuous_usage:
-            obj["usage"] = _usage("vllm", answer, sent, "running")
+            obj["usage"] = _usage("vllm", answer, sent, "running", _reasoning(answer, sent))
         if last and not request.include_usage:
             obj["system_fingerprint"] = answer.fingerprint
         step = group.step if group else answer.end_step
@@ -361,7 +376,7 @@ def _vllm_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
     return {
         **_head(answer, object_name),
         "choices": [],
-        "usage": _usage("vllm", answer, answer.output_tokens, "final"),
+        "usage": _usage("vllm", answer, answer.output_tokens, "final", _reasoning(answer)),
         "system_fingerprint": answer.fingerprint,
     }
 
@@ -710,7 +725,7 @@ def _vllm_body(answer: Answer) -> dict[str, Any]:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": answer.fingerprint,
-            "usage": _usage("vllm", answer, answer.output_tokens, "body"),
+            "usage": _usage("vllm", answer, answer.output_tokens, "body", _reasoning(answer)),
             "prompt_logprobs": _vllm_prompt_logprobs(answer),
         }
         if request.ids_keys:

@@ -465,6 +465,8 @@ class SimEngine:
             the prompt leaves.
         api_key: as vLLM's ``--api-key``: every ``/v1`` route then wants
             ``Authorization: Bearer <key>`` and answers vLLM's 401 without it (None: open).
+        reasoning_parser: as a vLLM started with ``--reasoning-parser`` (vLLM dialect): chat
+            usage reports ``completion_tokens_details: {"reasoning_tokens": N}`` instead of null.
     """
 
     model: str
@@ -481,6 +483,7 @@ class SimEngine:
         default=DEFAULT_MAX_MODEL_LEN, validator=attrs.validators.gt(0)
     )
     api_key: str | None = None
+    reasoning_parser: bool = False
     _directives: Mapping[str, Any] = attrs.field(init=False, factory=dict)
     _requests: int = attrs.field(init=False, default=0)
     _errors: int = attrs.field(init=False, default=0)
@@ -658,6 +661,7 @@ class SimEngine:
                 model=self.model,
                 default_directives=self._directives,
                 max_model_len=self.max_model_len,
+                reasoning_parser=self.reasoning_parser,
             )
         except SimFailure as failure:
             if failure.in_band:

@@ -199,6 +199,11 @@ def _parser() -> argparse.ArgumentParser:
         help="as vLLM's --api-key: /v1 routes want 'Authorization: Bearer KEY' (default: open)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        action="store_true",
+        help="as a vLLM with a reasoning parser: chat usage counts the reasoning tokens",
+    )
+    parser.add_argument(
         "--jitter",
         type=float,
         default=0.0,
@@ -232,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name=f"sim-{os.getpid()}",
         max_model_len=args.max_model_len,
         api_key=args.api_key,
+        reasoning_parser=args.reasoning_parser,
     )
 
     async def run() -> None:

@@ -294,6 +294,31 @@ def test_an_api_key_guards_the_v1_routes() -> None:
     assert engine.respond("OPTIONS", "/v1/models").status != 401
 
 
+def test_a_reasoning_parser_counts_reasoning_tokens_in_chat_usage() -> None:
+    engine = SimEngine(MODEL, reasoning_parser=True)
+    directives = {"output_tokens": 5, "reasoning_tokens": 2}
+    body = json_body(chat(engine, narwhal_sim=directives))
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = plan_events(chat(engine, stream=True, stream_options=options, narwhal_sim=directives))
+    assert [c["usage"]["completion_tokens_details"]["reasoning_tokens"] for c in chunks[:-1]] == [
+        0,
+        1,
+        2,
+        2,
+        2,
+        2,
+    ]
+    assert list(chunks[-2]["usage"]) == [
+        "prompt_tokens",
+        "total_tokens",
+        "completion_tokens",
+        "completion_tokens_details",
+    ]
+    text = json_body(completion(engine))  # the parsers serve chat only
+    assert text["usage"]["completion_tokens_details"] is None
+
+
 def test_version_is_a_vllm_route() -> None:
     assert json_body(SimEngine(MODEL).respond("GET", "/version")) == {"version": "0.32.0"}
     assert SimEngine(MODEL, dialect="sglang").respond("GET", "/version").status == 404
