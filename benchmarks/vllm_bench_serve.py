@@ -2,8 +2,9 @@
 
 Starts a real vLLM (the tiny model of ``scripts/tiny_model.py``, dummy weights) and two
 ``narwhal serve`` routers before it, one in ``open`` and one in ``predictive`` admission, then
-runs vLLM's own benchmark client against each in turn with the same random dataset and request
-rate, and reports failed requests and the TTFT/TPOT of each path, with the ratios to direct.
+runs vLLM's own benchmark client against each path in turn, for several rounds in a rotating
+order, with the same random dataset and request rate, and reports failed requests and the
+median TTFT/TPOT of each path, with the ratios to direct.
 
 Run from the repository root, in the project's venv, once ``./scripts/install-vllm`` has made
 vLLM's (``NARWHAL_VLLM_VENV``)::
@@ -112,32 +113,46 @@ def bench(
     return saved
 
 
+PATHS = ("direct", "open", "predictive")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--request-rate", type=float, default=20.0)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="runs per path, order rotated")
     parser.add_argument("--json", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     python = vllm_python()
     if python is None:
         print("vLLM is not installed: run ./scripts/install-vllm", file=sys.stderr)
         return 2
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in PATHS}
     with tempfile.TemporaryDirectory(prefix="narwhal-vllm-bench-") as scratch:
         folder = Path(scratch)
         model = make_model(python, folder / "tiny-model")
-        with running_vllm(python, model, folder / "vllm.log") as engine:
-            results["direct"] = bench(python, model, engine, "direct", folder, args)
-            for mode in ("open", "predictive"):
-                with running_narwhal(folder, engine, mode=mode, name=mode) as router:
-                    results[mode] = bench(python, model, router, mode, folder, args)
-    figures = {
-        label: {key: result.get(key) for key in REPORTED} for label, result in results.items()
-    }
+        with (
+            running_vllm(python, model, folder / "vllm.log") as engine,
+            running_narwhal(folder, engine, mode="open", name="open") as open_router,
+            running_narwhal(folder, engine, mode="predictive", name="predictive") as predictive,
+        ):
+            urls = {"direct": engine, "open": open_router, "predictive": predictive}
+            # The paths take turns, in a rotating order, so that a noisy moment of a shared
+            # machine lands on each alike; each path's figure is the median of its rounds.
+            for number in range(args.rounds):
+                order = PATHS[number % 3 :] + PATHS[: number % 3]
+                for label in order:
+                    tag = f"{label}-{number + 1}"
+                    runs[label].append(bench(python, model, urls[label], tag, folder, args))
+    figures = {label: _median_row(results) for label, results in runs.items()}
     direct = figures["direct"]
-    print(f"\n{'path':<11}" + "".join(f"{key:>14}" for key in REPORTED) + "  TTFT/TPOT ratio")
+    print(
+        f"\nmedian of {args.rounds} rounds, {args.num_prompts} prompts at "
+        f"{args.request_rate:g} req/s, {args.input_len} in / {args.output_len} out"
+    )
+    print(f"{'path':<11}" + "".join(f"{key:>14}" for key in REPORTED) + "  TTFT/TPOT ratio")
     for label, row in figures.items():
         ratios = []
         for key in ("mean_ttft_ms", "mean_tpot_ms"):
@@ -145,18 +160,28 @@ def main() -> int:
             ratio = value / base if base and value is not None else None
             row[f"{key}_ratio"] = ratio
             ratios.append("-" if ratio is None else f"{ratio:.2f}")
-        cells = "".join(
-            f"{row[key]:>14.2f}" if isinstance(row[key], float) else f"{row[key]!s:>14}"
-            for key in REPORTED
-        )
+        cells = "".join(f"{row[key]:>14.2f}" for key in REPORTED)
         print(f"{label:<11}{cells}  {' / '.join(ratios)}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": None}, **figures}))
-    failed = sum(int(row.get("failed") or 0) for row in figures.values())
+        settings = vars(args) | {"json": None}
+        args.json.write_text(json.dumps({"settings": settings, "figures": figures, "runs": runs}))
+    failed = sum(int(result.get("failed") or 0) for results in runs.values() for result in results)
     if failed:
         print(f"\nFAIL: {failed} failed requests", file=sys.stderr)
         return 1
     return 0
+
+
+def _median_row(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (``completed`` and ``failed``: their sums)."""
+    row: dict[str, Any] = {}
+    for key in REPORTED:
+        values = sorted(float(result.get(key) or 0.0) for result in results)
+        if key in ("completed", "failed"):
+            row[key] = sum(values)
+        else:
+            row[key] = values[len(values) // 2]
+    return row
 
 
 if __name__ == "__main__":
