@@ -87,8 +87,9 @@ class _ByteStream(httpx.AsyncByteStream):
 class SimTransport(httpx.AsyncBaseTransport):
     """Serves a :class:`SimEngine` to an ``httpx.AsyncClient`` in-process.
 
-    Routes: ``GET /health`` (200), ``GET /v1/models``, ``GET /metrics`` and the completion routes
-    (``POST``); anything else is the dialect's 404 or 405.
+    Routes: ``GET /health`` (200), ``GET /v1/models``, ``GET /metrics``, ``GET /version`` (vLLM
+    dialect) and the completion routes (``POST``); anything else is the dialect's 404 or 405.
+    The request headers reach the engine (``Authorization`` for its API key, ``X-Request-Id``).
 
     Attributes:
         engine: the engine served.
