@@ -431,11 +431,12 @@ def _positive_or_all(key: str, value: int | None) -> None:
 
 
 def _logprob_fields(
-    body: Mapping[str, Any], route: Route, stream: bool
+    body: Mapping[str, Any], route: Route, stream: bool, vllm: bool
 ) -> tuple[int | None, int | None]:
-    """The request validator's ``logprobs`` rules: (sampled count, ``prompt_logprobs``)."""
+    """The request validator's ``logprobs`` rules: (sampled count, ``prompt_logprobs``, which
+    only vLLM reads)."""
     other = "top_logprobs" if route == "chat" else "logprobs"
-    prompt = _count(body, "prompt_logprobs")
+    prompt = _count(body, "prompt_logprobs") if vllm else None
     count = _count(body, other)
     if prompt is not None:
         if stream and (prompt > 0 or prompt == -1):
@@ -618,10 +619,8 @@ def parse_request(
             )
         interval = value or 1
 
-    logprobs, prompt_logprobs = _logprob_fields(body, route, stream)
+    logprobs, prompt_logprobs = _logprob_fields(body, route, stream, vllm)
     echo = vllm and _optional_bool(body, "echo")
-    if not vllm:
-        prompt_logprobs = None  # the other dialects' engines have no such field
     request_id = body.get("request_id") if vllm else None
     if request_id is not None and not isinstance(request_id, str):
         raise validation_error(
