@@ -58,6 +58,10 @@ async def _answer(engine: SimEngine) -> Response:
         # An ASGI app cannot reset the socket before the head: send the head, then break the
         # body (the client sees an incomplete chunked read).
         return Response(_Broken(), status=200, headers=dict(plan.headers))
+    if not plan.streaming:
+        # A whole answer goes with its Content-Length, as vLLM's JSON answers do.
+        body = b"".join([piece async for piece in stream])
+        return Response(body, status=plan.status, headers=dict(plan.headers))
     return Response(stream, status=plan.status, headers=dict(plan.headers))
 
 

@@ -131,9 +131,10 @@ class SimTransport(httpx.AsyncBaseTransport):
             raise httpx.RemoteProtocolError(
                 "Server disconnected without sending a response.", request=request
             ) from exc
-        return httpx.Response(
-            plan.status, headers=plan.headers, stream=_ByteStream(stream, request)
-        )
+        headers = list(plan.headers)
+        if not plan.streaming and not plan.drop:
+            headers.append(("content-length", str(len(plan.body))))  # as vLLM's JSON answers
+        return httpx.Response(plan.status, headers=headers, stream=_ByteStream(stream, request))
 
     def statistics(self) -> SimTransportStatistics:
         """A snapshot of the transport's counters."""

@@ -121,6 +121,7 @@ async def test_api_key_and_request_id_over_http(nursery: trio.Nursery) -> None:
     assert unknown.status_code == 401
     assert version.json() == {"version": "0.32.0"}
     assert answer.json()["id"] == "chatcmpl-over-http"
+    assert answer.headers["content-length"] == str(len(answer.content))  # not chunked
 
 
 def test_the_command_prints_its_url_and_stops_on_ctrl_c() -> None:

@@ -336,3 +336,4 @@ async def test_the_transport_passes_the_headers(autojump_clock: trio.testing.Moc
             )
     assert refused.status_code == 401
     assert answer.json()["id"] == "chatcmpl-r-1"
+    assert answer.headers["content-length"] == str(len(answer.content))  # as vLLM's
