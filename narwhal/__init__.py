@@ -9,4 +9,4 @@ from narwhal.server import serve
 from narwhal.web.app import create_app
 
 __all__ = ["Config", "ConfigError", "create_app", "load_config", "serve"]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
