@@ -128,6 +128,13 @@ class Engine:
         """Whether requests placed here are asked for, and validated by, token IDs."""
         return self.token_accounting == "token_ids"
 
+    def record_outcome(self, *, ok: bool) -> None:
+        """A request placed here ended: answered in full, or failed on this engine."""
+        if ok:
+            self.completed += 1
+        else:
+            self.failed += 1
+
     # -- health reports (each wakes the dispatcher when eligibility changes) ----------------------
 
     def poll_succeeded(self, now: float) -> Change | None:

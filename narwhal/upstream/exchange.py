@@ -223,10 +223,7 @@ class Exchange:
 
     def record_outcome(self, *, ok: bool) -> None:
         """Count the exchange in the engine's statistics."""
-        if ok:
-            self.engine.completed += 1
-        else:
-            self.engine.failed += 1
+        self.engine.record_outcome(ok=ok)
 
 
 @asynccontextmanager

@@ -60,10 +60,7 @@ class WholeExchange:
 
     def record_outcome(self, *, ok: bool) -> None:
         """Count the call in the engine's statistics."""
-        if ok:
-            self.engine.completed += 1
-        else:
-            self.engine.failed += 1
+        self.engine.record_outcome(ok=ok)
 
 
 @asynccontextmanager

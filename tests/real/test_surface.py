@@ -9,21 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
+from narwhal.admission.accounting import TERMINAL_CLASSES
 from tests.real.contract import CHAT, COMPLETIONS, chat, completion, normalise, send
 from tests.real.servers import MAX_MODEL_LEN, MODEL, metric
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.realtime]
-
-TERMINAL = (
-    "completed",
-    "rejected",
-    "refused",
-    "invalid_requests",
-    "expired",
-    "unavailable",
-    "failed",
-    "cancelled",
-)
 
 
 def _model_object(listing: dict[str, Any]) -> dict[str, Any]:
@@ -170,7 +160,7 @@ def test_books_balance_afterwards(routed: httpx.Client) -> None:
     assert ready.status_code == 200, ready.text
     counters = ready.json()["counters"]
     assert counters["offered"] > 0
-    assert counters["offered"] == sum(counters[name] for name in TERMINAL)
+    assert counters["offered"] == sum(counters[name] for name in TERMINAL_CLASSES)
     text = routed.get("/metrics").text
     assert metric(text, "narwhal_offered_total") == counters["offered"]
     assert metric(text, "narwhal_in_flight") == 0
