@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,9 +31,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import httpx  # noqa: E402
+
 from tests.real.servers import (  # noqa: E402  (the repository root, first)
     MODEL,
     make_model,
+    metric,
     running_narwhal,
     running_vllm,
     vllm_python,
@@ -123,6 +127,11 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="runs per path, order rotated")
+    parser.add_argument(
+        "--prefill-concurrency",
+        type=int,
+        help="the engine's prefill limit in both routers (default: Narwhal's own default)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     python = vllm_python()
@@ -133,10 +142,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="narwhal-vllm-bench-") as scratch:
         folder = Path(scratch)
         model = make_model(python, folder / "tiny-model")
+        limits = ""
+        if args.prefill_concurrency is not None:
+            limits = f"prefill_concurrency = {args.prefill_concurrency}"
         with (
             running_vllm(python, model, folder / "vllm.log") as engine,
-            running_narwhal(folder, engine, mode="open", name="open") as open_router,
-            running_narwhal(folder, engine, mode="predictive", name="predictive") as predictive,
+            running_narwhal(
+                folder, engine, mode="open", name="open", engine_extra=limits
+            ) as open_router,
+            running_narwhal(
+                folder, engine, mode="predictive", name="predictive", engine_extra=limits
+            ) as predictive,
         ):
             urls = {"direct": engine, "open": open_router, "predictive": predictive}
             # The paths take turns, in a rotating order, so that a noisy moment of a shared
@@ -145,7 +161,13 @@ def main() -> int:
                 order = PATHS[number % 3 :] + PATHS[: number % 3]
                 for label in order:
                     tag = f"{label}-{number + 1}"
-                    runs[label].append(bench(python, model, urls[label], tag, folder, args))
+                    before = _router_view(urls[label]) if label != "direct" else {}
+                    result = bench(python, model, urls[label], tag, folder, args)
+                    if before:
+                        after = _router_view(urls[label])
+                        result["router"] = {k: after[k] - before[k] for k in after}
+                        _print_router_view(result["router"])
+                    runs[label].append(result)
     figures = {label: _median_row(results) for label, results in runs.items()}
     direct = figures["direct"]
     print(
@@ -172,15 +194,35 @@ def main() -> int:
     return 0
 
 
+def _router_view(url: str) -> dict[str, float]:
+    """Narwhal's own account: its queue wait and the TTFT it measured (sums and counts)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    names = (
+        "narwhal_queue_wait_seconds_sum",
+        "narwhal_queue_wait_seconds_count",
+        "narwhal_ttft_seconds_sum",
+        "narwhal_ttft_seconds_count",
+    )
+    return {name: metric(text, name) for name in names}
+
+
+def _print_router_view(view: dict[str, float]) -> None:
+    waits = view["narwhal_queue_wait_seconds_count"] or 1
+    wait_ms = view["narwhal_queue_wait_seconds_sum"] / waits
+    ttft_ms = view["narwhal_ttft_seconds_sum"] / (view["narwhal_ttft_seconds_count"] or 1)
+    print(
+        f"   Narwhal's view: mean queue wait {wait_ms * 1e3:.2f} ms, "
+        f"mean TTFT it measured {ttft_ms * 1e3:.2f} ms",
+        flush=True,
+    )
+
+
 def _median_row(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over the rounds (``completed`` and ``failed``: their sums)."""
     row: dict[str, Any] = {}
     for key in REPORTED:
-        values = sorted(float(result.get(key) or 0.0) for result in results)
-        if key in ("completed", "failed"):
-            row[key] = sum(values)
-        else:
-            row[key] = values[len(values) // 2]
+        values = [float(result.get(key) or 0.0) for result in results]
+        row[key] = sum(values) if key in ("completed", "failed") else statistics.median(values)
     return row
 
 
