@@ -462,3 +462,33 @@ async def test_ids_without_text_still_show_the_engine_provides_them(
     ``token_accounting: unavailable``, and every ``return_token_ids`` request a 400."""
     front = await start_front({engine("vllm-a"): HeldBackProbe("vllm-a", card=VLLM_CARD)})
     assert front.router.pool.engines[0].token_accounting == "token_ids"
+
+
+class RefusingProbe(StandIn):
+    """Refuses the token probe the way vLLM refuses a parameter it checks once streaming: an
+    HTTP 200 whose only event is an error frame with a 4xx code."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            content = await request.aread()
+            if orjson.loads(content).get("prompt") == "Narwhal token probe":
+                error = {"message": "no IDs here", "type": "BadRequestError", "code": 400}
+                frames = b"data: " + orjson.dumps({"error": error}) + b"\n\ndata: [DONE]\n\n"
+                return httpx.Response(
+                    200,
+                    stream=httpx.ByteStream(frames),
+                    headers={"content-type": "text/event-stream"},
+                )
+            request = httpx.Request(
+                request.method, request.url, headers=request.headers, content=content
+            )
+        return await super().handle_async_request(request)
+
+
+async def test_an_in_band_refusal_of_the_probe_joins_without_token_accounting(
+    start_front: StartFront, autojump_clock: trio.testing.MockClock
+) -> None:
+    """As an HTTP 4xx does: the engine joins, ``token_accounting: unavailable``."""
+    front = await start_front({engine("vllm-a"): RefusingProbe("vllm-a", card=VLLM_CARD)})
+    assert front.router.pool.engines[0].token_accounting == "unavailable"
+    assert front.router.pool.engines[0].eligible

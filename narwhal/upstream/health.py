@@ -326,6 +326,9 @@ class HealthPoller:
                     if isinstance(event, DoneEvent):
                         break
                     if isinstance(event, ErrorFrameEvent):
+                        rejected = event.rejection()
+                        if rejected is not None:  # a refusal in-band, as a 4xx answer below
+                            raise rejected
                         log.info(
                             "engine %s: token probe error: %s", self.engine.name, event.message()
                         )
