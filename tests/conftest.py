@@ -14,8 +14,9 @@ import trio
 from narwhal.bench.inprocess import ASGIStreamTransport, run_lifespan
 from narwhal.config import Config, EngineConfig, ServingConfig, UpstreamConfig
 from narwhal.router import Router
+from narwhal.scheduling.profiles import get_profile
 from narwhal.sim.engine import SimEngine
-from narwhal.sim.timing import profile
+from narwhal.sim.timing import StepTiming
 from narwhal.sim.transport import SimTransport
 from narwhal.web.app import create_app, get_router
 from tests.support import Pluggable
@@ -103,7 +104,7 @@ async def start_fleet(nursery: trio.Nursery) -> AsyncIterator[StartFleet]:
                 SimEngine(
                     MODEL,
                     dialect=engine.dialect,
-                    timing=profile("h100-llama3-8b"),
+                    timing=StepTiming(get_profile("h100-llama3-8b")),
                     seed=index,
                     name=engine.name,
                 )

@@ -13,10 +13,11 @@ import pytest
 import trio
 
 from narwhal.config import Config, EngineConfig, ServingConfig
+from narwhal.scheduling.profiles import get_profile
 from narwhal.server import serve
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.server import serve_sim
-from narwhal.sim.timing import profile
+from narwhal.sim.timing import StepTiming
 
 pytestmark = pytest.mark.realtime
 
@@ -36,7 +37,9 @@ TOOLS = [
 async def router_url(nursery: trio.Nursery) -> AsyncIterator[str]:
     engines = []
     for index, dialect in enumerate(("vllm", "vllm")):
-        engine = SimEngine(MODEL, dialect=dialect, timing=profile("h100-llama3-8b"), seed=index)
+        engine = SimEngine(
+            MODEL, dialect=dialect, timing=StepTiming(get_profile("h100-llama3-8b")), seed=index
+        )
         url = await nursery.start(partial(serve_sim, engine, "127.0.0.1:0"))
         engines.append(EngineConfig(name=f"engine-{index}", url=url, dialect=dialect))
     config = Config(serving=ServingConfig(model=MODEL), engines=tuple(engines))

@@ -20,8 +20,9 @@ from narwhal.bench.inprocess import ASGIStreamTransport, run_lifespan
 from narwhal.config import Config, ConfigError, EngineConfig, MonitoringConfig, ServingConfig
 from narwhal.logs import NO_REQUEST, RequestIdFilter, current_request_id, request_context
 from narwhal.router import Router
+from narwhal.scheduling.profiles import get_profile
 from narwhal.sim.engine import SimEngine
-from narwhal.sim.timing import profile
+from narwhal.sim.timing import StepTiming
 from narwhal.sim.transport import SimTransport
 from narwhal.web.app import create_app, get_router
 
@@ -68,7 +69,9 @@ class StandIn(httpx.AsyncBaseTransport):
         api_key: str | None = None,
         model: str = MODEL,
     ) -> None:
-        self.inner = SimTransport(SimEngine(model, timing=profile("h100-llama3-8b"), name=name))
+        self.inner = SimTransport(
+            SimEngine(model, timing=StepTiming(get_profile("h100-llama3-8b")), name=name)
+        )
         self.card = card
         self.api_key = api_key
         self.seen: list[tuple[str, str, httpx.Headers]] = []

@@ -27,9 +27,9 @@ from narwhal.router import Router
 from narwhal.scheduling.engines import Engine
 from narwhal.scheduling.forecast import PrefillForecast
 from narwhal.scheduling.health import EngineHealth, Failure
-from narwhal.scheduling.profiles import PROFILES
+from narwhal.scheduling.profiles import PROFILES, get_profile
 from narwhal.sim.engine import SimEngine
-from narwhal.sim.timing import profile
+from narwhal.sim.timing import StepTiming
 from narwhal.sim.transport import SimTransport
 from narwhal.upstream.health import transport_failure
 from tests.conftest import MODEL, Fleet, StartFleet
@@ -429,7 +429,7 @@ async def router_with(
 
 
 def sim() -> SimTransport:
-    return SimTransport(SimEngine(MODEL, timing=profile("h100-llama3-8b")))
+    return SimTransport(SimEngine(MODEL, timing=StepTiming(get_profile("h100-llama3-8b"))))
 
 
 async def test_unreachable_engines_at_start_are_told_once_on_the_console(

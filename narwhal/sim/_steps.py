@@ -1,13 +1,16 @@
 """The Trio shell of the continuous-batching model: a step loop over a :class:`Batcher`.
 
 One system task per Trio run (started by the first request of the run) plans a step, sleeps its
-cost (:meth:`StepTiming.step_s` times the slowdown), completes it and wakes the streams whose
-awaited output step has come. With nothing to do it waits on an event, never on a timer, so
-``MockClock(autojump_threshold=0)`` can jump. An engine used in a second Trio run forgets the
-requests of the first (their streams died with it) and starts a new task there.
+cost (:meth:`StepTiming.step_s` times the slowdown in force when the step starts), completes it
+and wakes the streams whose awaited output step has come. With nothing to do it waits on an
+event, never on a timer, so ``MockClock(autojump_threshold=0)`` can jump. An engine used in a
+second Trio run forgets the requests of the first (their streams died with it) and starts a new
+task there.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import trio
 
@@ -23,16 +26,23 @@ class StepLoop:
     Attributes:
         timing: the step costs' scale and jitter.
         batcher: the scheduler state.
-        slowdown: multiplies every step's time from the next step on.
+        pace: the slowdown in force, asked as each step starts (it multiplies the step's time).
     """
 
-    def __init__(self, timing: StepTiming, *, kv_capacity_tokens: int | None, name: str) -> None:
+    def __init__(
+        self,
+        timing: StepTiming,
+        *,
+        kv_capacity_tokens: int | None,
+        name: str,
+        pace: Callable[[], float] = lambda: 1.0,
+    ) -> None:
         self.timing = timing
         if kv_capacity_tokens is None:
             self.batcher = Batcher(timing.profile)
         else:
             self.batcher = Batcher(timing.profile, kv_capacity_tokens)
-        self.slowdown = 1.0
+        self.pace = pace
         self._name = name
         self._run: trio.lowlevel.TrioToken | None = None
         self._wake: trio.Event | None = None
@@ -88,7 +98,7 @@ class StepLoop:
                 self._wake = wake = trio.Event()
                 await wake.wait()
                 continue
-            await trio.sleep(self.timing.step_s(step.cost_ms, step.index) * self.slowdown)
+            await trio.sleep(self.timing.step_s(step.cost_ms, step.index) * self.pace())
             waiters = self._waiters
             for seq in batcher.complete(step):
                 waiter = waiters.get(seq.id)

@@ -31,15 +31,57 @@ sequence that has produced all its tokens leaves the batch and frees its KV at o
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
+from typing import Literal, Protocol
 
 import attrs
 
-from narwhal.scheduling.profiles import EngineProfile
-
-__all__ = ["BatchSeq", "BatchStep", "Batcher", "BatcherStatistics", "PrefillChunk", "SeqState"]
+__all__ = [
+    "BatchSeq",
+    "BatchStep",
+    "Batcher",
+    "BatcherStatistics",
+    "PrefillChunk",
+    "SeqState",
+    "StepCosts",
+]
 
 SeqState = Literal["waiting", "running", "finished", "aborted"]
+
+
+class StepCosts(Protocol):
+    """What the batcher asks of an engine's physics (milliseconds of engine time).
+
+    The simulator's own :class:`~narwhal.sim.calibration.EngineType` answers it; so does any
+    object of the same shape (a test can run the engines on the router's prior exactly).
+    """
+
+    @property
+    def prefill_base_ms(self) -> float:
+        """Fixed cost of a step that prefills and does not decode."""
+        ...
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most sequences in the running batch."""
+        ...
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens in a step."""
+        ...
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV cache capacity, in tokens."""
+        ...
+
+    def prefill_chunk_ms(self, start: int, end: int) -> float:
+        """The variable cost of prefilling positions ``start .. end`` inside a step."""
+        ...
+
+    def decode_step_ms(self, batch: int, context_tokens: int) -> float:
+        """The cost of a decode step over ``batch`` sequences holding ``context_tokens``."""
+        ...
 
 
 @attrs.define(eq=False)
@@ -96,7 +138,7 @@ class BatchStep:
         decodes: the sequences that decode one token.
         chunks: the prefill chunks.
         context_tokens: ``K``, the context tokens the decoding sequences hold.
-        cost_ms: the step's GPU time from the profile, before any scale.
+        cost_ms: the step's engine time from the costs, before any scale.
     """
 
     index: int
@@ -143,14 +185,14 @@ def _profile_capacity(batcher: Batcher) -> int:
 
 @attrs.define
 class Batcher:
-    """A continuous-batching scheduler over one :class:`EngineProfile` (see the module doc).
+    """A continuous-batching scheduler over one engine's :class:`StepCosts` (see the module doc).
 
     Attributes:
         profile: step costs and the limits ``max_num_seqs`` and ``max_num_batched_tokens``.
         kv_capacity_tokens: KV capacity; default the profile's.
     """
 
-    profile: EngineProfile
+    profile: StepCosts
     kv_capacity_tokens: int = attrs.field(
         default=attrs.Factory(_profile_capacity, takes_self=True), validator=attrs.validators.gt(0)
     )

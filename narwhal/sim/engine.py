@@ -36,7 +36,8 @@ the one of a request alone on an idle engine), so :attr:`SimPlan.duration_s` rea
 Run-time switches, as methods and as routes of every shell: ``POST /sim/directives`` (a JSON
 object: the engine-wide directives, :meth:`SimEngine.set_directives`), ``POST /sim/slowdown``
 (``{"factor": 2.0}``: step and frame times are multiplied by 2 from now on,
-:meth:`SimEngine.set_slowdown`) and ``GET /sim/state`` (:meth:`SimEngine.statistics` as JSON).
+:meth:`SimEngine.set_slowdown`; with ``"after_s": 30``, from 30 seconds on,
+:meth:`SimEngine.schedule_slowdown`) and ``GET /sim/state`` (:meth:`SimEngine.statistics` as JSON).
 
 Dialects: ``vllm`` (0.32, from real answers in ``tests/sim/captures/`` and vLLM's source: finish
 on the last token's chunk, ``token_ids`` and ``prompt_token_ids`` with ``return_token_ids``,
@@ -397,7 +398,8 @@ class SimEngineStatistics:
         kv_capacity_tokens: the KV capacity.
         kv_cache_usage: ``kv_tokens`` over the KV capacity, at most 1.
         steps: steps the step loop has run (0 without one).
-        slowdown: the factor set by :meth:`SimEngine.set_slowdown`.
+        slowdown: the factor in force (:meth:`SimEngine.set_slowdown`,
+            :meth:`SimEngine.schedule_slowdown`).
         completed: streams the reader received to the end.
         closed_early: streams the reader closed before the end.
         dropped: streams whose connection the plan broke.
@@ -431,6 +433,13 @@ def _admin_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _slowdown_factor(factor: float) -> float:
+    number = isinstance(factor, int | float) and not isinstance(factor, bool)
+    if not (number and 0 < factor < math.inf):
+        raise ValueError(f"the slowdown factor must be a number > 0, got {factor!r}")
+    return float(factor)
+
+
 def _default_timing(timing: TimingModel | None) -> TimingModel:
     return PROFILES["h100-llama3-8b"] if timing is None else timing
 
@@ -454,7 +463,8 @@ class SimEngine:
     Attributes:
         model: the model name it serves (another ``model`` in a request is a 404).
         dialect: ``vllm``, ``sglang`` or ``openai``: the response shapes.
-        timing: how long things take; default the ``h100-llama3-8b`` profile. A
+        timing: how long things take; default the ``h100-llama3-8b`` profile (the simulator's
+            calibrated type, :mod:`narwhal.sim.calibration`). A
             :class:`~narwhal.sim.timing.StepTiming` runs the continuous-batching step loop.
         seed: with the request body, decides every generated answer.
         name: a label for logs and tests.
@@ -491,12 +501,16 @@ class SimEngine:
     _kv_tokens: int = attrs.field(init=False, default=0)
     _outcomes: dict[str, int] = attrs.field(init=False, factory=dict)
     _slowdown: float = attrs.field(init=False, default=1.0)
+    _schedule: list[tuple[float, float]] = attrs.field(init=False, factory=list)
     _steps: StepLoop | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.timing, StepTiming):
             self._steps = StepLoop(
-                self.timing, kv_capacity_tokens=self.kv_capacity_tokens, name=self.name
+                self.timing,
+                kv_capacity_tokens=self.kv_capacity_tokens,
+                name=self.name,
+                pace=self._pace,
             )
 
     # --- configuration ------------------------------------------------------------------------
@@ -525,21 +539,36 @@ class SimEngine:
 
         In the step loop it multiplies each step's time from the next step on; for
         per-request-timed responses, each frame's delay as it is played (stalls included).
+        Changes scheduled by :meth:`schedule_slowdown` and still to come are cancelled.
 
         Raises:
             ValueError: ``factor`` is not a finite number > 0.
         """
-        number = isinstance(factor, int | float) and not isinstance(factor, bool)
-        if not (number and 0 < factor < math.inf):
-            raise ValueError(f"the slowdown factor must be a number > 0, got {factor!r}")
-        self._slowdown = float(factor)
-        if self._steps is not None:
-            self._steps.slowdown = self._slowdown
+        self._slowdown = _slowdown_factor(factor)
+        self._schedule.clear()
+
+    def schedule_slowdown(self, at: float, factor: float) -> None:
+        """From Trio time ``at`` on, multiply simulated durations by ``factor``.
+
+        ``at`` is on the Trio clock (``trio.current_time()``: under ``MockClock``, virtual
+        seconds since the run began). Changes take effect in time order, each as
+        :meth:`set_slowdown` would at that instant (the step running then keeps its time); a
+        later :meth:`set_slowdown` cancels the changes still to come. This is how an engine
+        turns slower half way through a benchmark.
+
+        Raises:
+            ValueError: ``factor`` is not a finite number > 0, or ``at`` is not finite.
+        """
+        value = _slowdown_factor(factor)
+        if not (isinstance(at, int | float) and math.isfinite(at)):
+            raise ValueError(f"the slowdown time must be a finite number, got {at!r}")
+        self._schedule.append((float(at), value))
+        self._schedule.sort(key=lambda change: change[0])
 
     @property
     def slowdown(self) -> float:
-        """The factor set by :meth:`set_slowdown`."""
-        return self._slowdown
+        """The factor in force now (:meth:`set_slowdown`, :meth:`schedule_slowdown`)."""
+        return self._pace()
 
     # --- pure planning ------------------------------------------------------------------------
 
@@ -803,13 +832,22 @@ class SimEngine:
             kv_capacity_tokens=capacity,
             kv_cache_usage=min(1.0, kv_tokens / capacity),
             steps=steps,
-            slowdown=self._slowdown,
+            slowdown=self._pace(),
             completed=self._outcomes.get("completed", 0),
             closed_early=self._outcomes.get("closed_early", 0),
             dropped=self._outcomes.get("dropped", 0),
         )
 
     def _pace(self) -> float:
+        """The slowdown in force, applying the scheduled changes whose time has come."""
+        schedule = self._schedule
+        if schedule:
+            try:
+                now = trio.current_time()
+            except RuntimeError:  # outside Trio: no time has passed
+                return self._slowdown
+            while schedule and schedule[0][0] <= now:
+                self._slowdown = schedule.pop(0)[1]
         return self._slowdown
 
     # --- admin routes -------------------------------------------------------------------------
@@ -839,9 +877,22 @@ class SimEngine:
             raise SimFailure(400, message, "BadRequestError", param) from None
 
     def _set_slowdown_from(self, raw: bytes) -> None:
-        factor: Any = _admin_body(raw).get("factor")  # any JSON value: set_slowdown checks it
+        body = _admin_body(raw)
+        factor: Any = body.get("factor")  # any JSON value: set_slowdown checks it
+        after: Any = body.get("after_s")
         try:
-            self.set_slowdown(factor)
+            if after is None:
+                self.set_slowdown(factor)
+            else:
+                valid = isinstance(after, int | float) and not isinstance(after, bool)
+                if not (valid and 0 <= after < math.inf):
+                    raise SimFailure(
+                        400,
+                        f"after_s must be a number >= 0, got {after!r}",
+                        "BadRequestError",
+                        "after_s",
+                    )
+                self.schedule_slowdown(trio.current_time() + after, factor)
         except ValueError as exc:
             raise SimFailure(400, str(exc), "BadRequestError", "factor") from None
 

@@ -2,12 +2,15 @@
 
 Two kinds of timing model:
 
-* :class:`StepTiming`, the continuous-batching model of the named GPU profiles: the engine runs
-  a step loop (:mod:`narwhal.sim.batching`) whose step costs come from one
-  :class:`~narwhal.scheduling.profiles.EngineProfile`, the same table the router's predictor
-  starts from. A request's tokens come out when the steps that make them end, so its timing
-  depends on everything else the engine is doing: queued prefills delay its first token, a big
-  batch slows its decode, a full KV cache makes it wait.
+* :class:`StepTiming`, the continuous-batching model of the GPU engine types: the engine runs a
+  step loop (:mod:`narwhal.sim.batching`) whose step costs come from one
+  :class:`~narwhal.sim.batching.StepCosts`: normally a calibrated
+  :class:`~narwhal.sim.calibration.EngineType`, the simulator's own physics, independent of the
+  router's prior (:mod:`narwhal.scheduling.profiles`); a test that wants the engines to behave
+  exactly as the router predicts passes the router's profile itself
+  (``StepTiming(get_profile(name))``). A request's tokens come out when the steps that make them
+  end, so its timing depends on everything else the engine is doing: queued prefills delay its
+  first token, a big batch slows its decode, a full KV cache makes it wait.
 * :class:`LinearTiming`, a per-request model: each request's timing is fixed when it is planned
   (prefill linear in the prompt, a constant decode step), whatever else runs. The ``zero``
   profile is one (the router-overhead benchmark's engine: no delay, no step loop).
@@ -26,10 +29,14 @@ The named :data:`PROFILES` (``reference/slo-and-engine-models.md``, section 2):
 ==================  ===============================================================
 profile             model
 ==================  ===============================================================
-``h100-llama3-8b``  :class:`StepTiming` over ``scheduling.profiles`` ``h100-llama3-8b``
-``a100-llama3-8b``  :class:`StepTiming` over ``scheduling.profiles`` ``a100-llama3-8b``
+``h100-llama3-8b``  :class:`StepTiming` over the calibrated ``h100-llama3-8b`` type
+``a100-llama3-8b``  :class:`StepTiming` over the calibrated ``a100-llama3-8b`` type
 ``zero``            :class:`LinearTiming` with every constant 0
 ==================  ===============================================================
+
+:func:`profile` builds one, optionally as the engine of a given seed (``variation``: the
+per-engine spread of :meth:`~narwhal.sim.calibration.EngineType.varied`) and ``truth_scale``
+times slower than its type.
 """
 
 from __future__ import annotations
@@ -40,12 +47,10 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from narwhal.scheduling import profiles
-from narwhal.scheduling.profiles import EngineProfile
+from narwhal.sim.batching import StepCosts
+from narwhal.sim.calibration import ALIASES, ENGINE_TYPES, EngineType, unit_noise
 
 __all__ = ["PROFILES", "LinearTiming", "StepTiming", "TimingModel", "profile"]
-
-_MASK64 = (1 << 64) - 1
 
 
 @runtime_checkable
@@ -67,15 +72,6 @@ class TimingModel(Protocol):
         ``prompt_tokens`` is the request's prompt size (a decode step reads its KV).
         """
         ...
-
-
-def _unit_noise(seed: int, key: int) -> float:
-    """A deterministic value in [-1, 1) from ``(seed, key)`` (splitmix64; no global state)."""
-    z = (seed * 0x9E3779B97F4A7C15 + key + 0x632BE59BD9B4E019) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) / float(1 << 52) - 1.0
 
 
 def _non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -120,12 +116,12 @@ class LinearTiming:
     def _jittered(self, delay: float, key: int) -> float:
         if self.jitter == 0.0 or delay == 0.0:
             return delay
-        return delay * (1.0 + self.jitter * _unit_noise(self.seed, key))
+        return delay * (1.0 + self.jitter * unit_noise(self.seed, key))
 
 
 @attrs.frozen
 class StepTiming:
-    """Continuous batching over an :class:`EngineProfile`: the engine runs a step loop.
+    """Continuous batching over an engine's step costs: the engine runs a step loop.
 
     :mod:`narwhal.sim.batching` says what a step holds and costs in GPU milliseconds;
     :meth:`step_s` turns that into the seconds the loop sleeps. The :class:`TimingModel` answers
@@ -133,13 +129,15 @@ class StepTiming:
     ``max_num_batched_tokens``, each a pure prefill step; then one decode step per token).
 
     Attributes:
-        profile: the step costs and limits.
+        profile: the step costs and limits (a calibrated
+            :class:`~narwhal.sim.calibration.EngineType`, or any
+            :class:`~narwhal.sim.batching.StepCosts`, e.g. the router's own profile).
         time_scale: multiplies every duration.
         jitter: relative amplitude of the seeded noise on each step (0 disables it; at most 1).
         seed: seeds the noise.
     """
 
-    profile: EngineProfile
+    profile: StepCosts
     time_scale: float = attrs.field(default=1.0, validator=_non_negative)
     jitter: float = attrs.field(default=0.0, validator=[_non_negative, attrs.validators.le(1.0)])
     seed: int = 0
@@ -149,7 +147,7 @@ class StepTiming:
         delay = cost_ms * self.time_scale / 1000.0
         if self.jitter == 0.0 or delay == 0.0:
             return delay
-        return delay * (1.0 + self.jitter * _unit_noise(self.seed, index))
+        return delay * (1.0 + self.jitter * unit_noise(self.seed, index))
 
     def first_token_delay_s(self, prompt_tokens: int) -> float:
         """See :meth:`TimingModel.first_token_delay_s` (a lone request's chunked prefill)."""
@@ -171,25 +169,46 @@ class StepTiming:
 
 PROFILES: Mapping[str, TimingModel] = MappingProxyType(
     {
-        **{name: StepTiming(engine) for name, engine in profiles.PROFILES.items()},
+        **{name: StepTiming(engine) for name, engine in ENGINE_TYPES.items()},
         "zero": LinearTiming(prefill_base_s=0.0, prefill_per_token_s=0.0, decode_step_s=0.0),
     }
 )
-"""The named timing profiles, unscaled (``time_scale`` 1, no jitter)."""
+"""The named timing profiles, unscaled (``time_scale`` 1, no jitter, the nominal engine types)."""
 
 
 def profile(
-    name: str, *, time_scale: float = 1.0, jitter: float = 0.0, seed: int = 0
+    name: str,
+    *,
+    time_scale: float = 1.0,
+    jitter: float = 0.0,
+    seed: int = 0,
+    variation: float = 0.0,
+    truth_scale: float = 1.0,
 ) -> StepTiming | LinearTiming:
-    """The named profile with a time scale, and optionally seeded jitter.
+    """The named profile with a time scale, and optionally seeded jitter and variation.
+
+    Args:
+        name: a name in :data:`PROFILES` (or an engine type's alias, ``h100`` or ``a100``).
+        time_scale: multiplies every duration (also the per-request overrides).
+        jitter: relative amplitude of the seeded noise on each step.
+        seed: seeds the jitter and the variation.
+        variation: for an engine type, the spread of the engine built with ``seed``
+            (:meth:`~narwhal.sim.calibration.EngineType.varied`; 0: the nominal type).
+        truth_scale: for an engine type, its step costs times this (an engine that is really
+            that much slower than its type; unlike ``time_scale`` it leaves the per-request
+            overrides alone).
 
     Raises:
-        ValueError: ``name`` is not in :data:`PROFILES`.
+        ValueError: ``name`` is not a known profile, or a value is out of range.
     """
-    try:
-        base = PROFILES[name]
-    except KeyError:
-        known = ", ".join(sorted(PROFILES))
-        raise ValueError(f"unknown timing profile {name!r} (known: {known})") from None
+    base = PROFILES.get(ALIASES.get(name, name))
+    if base is None:
+        known = ", ".join(sorted({*PROFILES, *ALIASES}))
+        raise ValueError(f"unknown timing profile {name!r} (known: {known})")
     assert isinstance(base, StepTiming | LinearTiming)
+    if isinstance(base, StepTiming) and isinstance(base.profile, EngineType):
+        engine = base.profile.varied(seed, variation)
+        if truth_scale != 1.0:
+            engine = engine.scaled(truth_scale)
+        base = attrs.evolve(base, profile=engine)
     return attrs.evolve(base, time_scale=time_scale, jitter=jitter, seed=seed)

@@ -35,9 +35,10 @@ import trio
 from narwhal.bench.inprocess import ASGIStreamTransport
 from narwhal.config import Config, EngineConfig, ServingConfig, UpstreamConfig
 from narwhal.router import Router
+from narwhal.scheduling.profiles import get_profile
 from narwhal.server import serve
 from narwhal.sim.engine import SimEngine
-from narwhal.sim.timing import profile
+from narwhal.sim.timing import StepTiming
 from narwhal.sim.transport import SimTransport
 from narwhal.web.app import create_app, get_router
 from tests.conftest import MODEL, Fleet, engine_config
@@ -332,7 +333,7 @@ def sim_transports(
             SimEngine(
                 MODEL,
                 dialect=engine.dialect,
-                timing=profile("h100-llama3-8b", time_scale=time_scale),
+                timing=StepTiming(get_profile("h100-llama3-8b"), time_scale=time_scale),
                 seed=index,
                 name=engine.name,
             ),

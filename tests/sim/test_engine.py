@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
-from narwhal.sim import LinearTiming, SimEngine, profile
+from narwhal.sim import LinearTiming, SimEngine, StepTiming, profile
+from narwhal.sim.calibration import engine_type
 from narwhal.sim.engine import DEFAULT_CREATED
 from tests.sim.helpers import CHAT, COMPLETIONS, MODEL, chat, json_body, plan_events
 
@@ -300,9 +302,8 @@ def test_admin_routes_switch_the_engine() -> None:
 
 def test_kv_capacity_comes_from_the_profile_unless_given() -> None:
     assert SimEngine(MODEL).statistics().kv_capacity_tokens == 467_000
-    assert SimEngine(MODEL, timing=profile("a100-llama3-8b")).statistics().kv_capacity_tokens == (
-        400_000
-    )
+    small = attrs.evolve(engine_type("a100"), kv_capacity_tokens=400_000)
+    assert SimEngine(MODEL, timing=StepTiming(small)).statistics().kv_capacity_tokens == 400_000
     assert SimEngine(MODEL, kv_capacity_tokens=1000).statistics().kv_capacity_tokens == 1000
     assert SimEngine(MODEL, timing=EXACT).statistics().kv_capacity_tokens == 262144
     with pytest.raises(ValueError):

@@ -15,11 +15,11 @@ import pytest
 import trio
 import trio.testing
 
-from narwhal.scheduling.profiles import get_profile
 from narwhal.sim import Batcher, SimEngine, SimTransport, StepTiming, profile
+from narwhal.sim.calibration import engine_type
 from tests.sim.helpers import CHAT, MESSAGES, MODEL
 
-H100 = get_profile("h100-llama3-8b")
+H100 = engine_type("h100-llama3-8b")  # the simulator's own calibrated H100
 BLOCKER = {"prompt_tokens": 8192, "output_tokens": 1}  # a whole step of prefill
 LONG_PREFILL_S = H100.prefill_ms(8192) / 1000
 TICK = 1e-6  # arrivals this far apart have a definite order
@@ -99,7 +99,9 @@ async def test_prefill_calibration_on_the_h100_profile(
         times = await pieces_at(client, prompt_tokens=tokens, output_tokens=1)
     ttft = times[0] - start
     assert ttft == pytest.approx(H100.prefill_ms(tokens) / 1000, rel=1e-12)
-    assert ttft == pytest.approx(published_s, rel=0.02)
+    # The reference's table (section 2.2: vidur, H100 scaled) within 8 %: the calibrated type
+    # takes BLIS's measured per-token slope and adds the per-step overhead.
+    assert ttft == pytest.approx(published_s, rel=0.08)
 
 
 # --- saturation -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 
 from narwhal.scheduling.profiles import get_profile
 from narwhal.sim import PROFILES, LinearTiming, StepTiming, TimingModel, profile
+from narwhal.sim.calibration import ENGINE_TYPES
 
 
 def test_linear_prefill_and_constant_decode() -> None:
@@ -23,11 +24,12 @@ def test_time_scale_multiplies_every_duration() -> None:
     assert timing.inter_token_delay_s(1) == 0.5
 
 
-def test_named_gpu_profiles_are_step_models_over_the_scheduling_table() -> None:
+def test_named_gpu_profiles_are_step_models_over_the_calibrated_types() -> None:
     for name in ("h100-llama3-8b", "a100-llama3-8b"):
         timing = PROFILES[name]
         assert isinstance(timing, StepTiming) and isinstance(timing, TimingModel)
-        assert timing.profile is get_profile(name)
+        assert timing.profile is ENGINE_TYPES[name]  # the simulator's own, not the router's
+        assert timing.profile != get_profile(name)
     zero = PROFILES["zero"]
     assert isinstance(zero, LinearTiming)
     assert (zero.prefill_base_s, zero.prefill_per_token_s, zero.decode_step_s) == (0, 0, 0)
