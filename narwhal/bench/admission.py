@@ -117,6 +117,8 @@ class AdmissionSettings:
             "duration_s": setup.duration_s,
             "profile": setup.profile,
             "engines": len(setup.router.engines),
+            "engine_profiles": [engine.profile for engine in setup.router.engines],
+            "engine_truth": setup.truth.as_json(),
             "seed": setup.seed,
             "tokens_per_chunk": setup.tokens_per_chunk,
             "max_tokens": setup.max_tokens,

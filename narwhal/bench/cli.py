@@ -360,10 +360,39 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default="conv", choices=("conv", "code"), help="the trace")
     parser.add_argument("--seed", type=int, default=0, help="seeds everything (default 0)")
     parser.add_argument(
-        "--engines", type=_positive_int, default=2, help="simulated engines (default %(default)s)"
+        "--engines",
+        default="2",
+        metavar="N|TYPE,TYPE,...",
+        help="simulated engines: how many (of --profile), or one engine type each, e.g. "
+        "h100,a100 (each engine's router profile is then its type's; default %(default)s)",
     )
     parser.add_argument(
-        "--profile", default="h100-llama3-8b", help="the engines' profile (default %(default)s)"
+        "--profile",
+        default="h100-llama3-8b",
+        help="the router's profile of the engines, and their simulated type (default %(default)s)",
+    )
+    parser.add_argument(
+        "--truth-scale",
+        type=_positive_float,
+        default=1.0,
+        metavar="X",
+        help="the engines are really X times slower than their calibrated type (the router is "
+        "not told; 2: the headline wrong prior; default %(default)s)",
+    )
+    parser.add_argument(
+        "--slowdown",
+        action="append",
+        default=[],
+        metavar="ENGINE@AT:FACTOR",
+        help="ENGINE turns FACTOR times slower at fraction AT of each replay, e.g. "
+        "engine-b@0.5:2.0 (repeatable)",
+    )
+    parser.add_argument(
+        "--engine-truth",
+        choices=("calibrated", "prior"),
+        default="calibrated",
+        help="what the engines run on: the simulator's calibrated types with per-engine "
+        "variation, or the router's own profile (the old benchmark; default %(default)s)",
     )
     parser.add_argument(
         "--tokens-per-chunk",
@@ -486,7 +515,8 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     if not modes or any(mode not in ("predictive", "open") for mode in modes):
         raise ValueError(f"--modes: expected predictive and/or open, got {args.modes!r}")
-    router = default_router(args.engines, profile=args.profile)
+    count, types = _engines(args.engines)
+    router = default_router(count, profile=args.profile, types=types)
     if args.narwhal_config is not None:
         base = load_config(args.narwhal_config)
         router = attrs.evolve(
@@ -510,6 +540,7 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
         tokens_per_chunk=args.tokens_per_chunk,
         trace=args.trace,
         duration_s=duration,
+        truth=_truth(args, types, router),
     )
     return AdmissionSettings(
         setup=setup,
@@ -523,6 +554,46 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
         false_refusal_default=other if len(samples) > 1 else light,
         memory=not args.no_memory,
         jobs=args.jobs or default_jobs(),
+    )
+
+
+def _engines(text: str) -> tuple[int, tuple[str, ...]]:
+    """``--engines``: a count, or engine types (the count is then theirs)."""
+    from narwhal.scheduling.profiles import PROFILES
+    from narwhal.sim.calibration import ALIASES, engine_type
+
+    if text.strip().isdigit():
+        count = int(text)
+        if count < 1:
+            raise ValueError(f"--engines: expected at least 1, got {text!r}")
+        return count, ()
+    types = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not types:
+        raise ValueError(f"--engines: expected a count or engine types, got {text!r}")
+    for name in types:
+        engine_type(name)  # raises ValueError for an unknown type
+        if ALIASES.get(name, name) not in PROFILES:
+            raise ValueError(f"--engines: the router has no profile for {name!r}")
+    return len(types), types
+
+
+def _truth(args: argparse.Namespace, types: tuple[str, ...], router: Any) -> Any:
+    """The engines' truth: ``--engines``, ``--truth-scale``, ``--slowdown``, ``--engine-truth``."""
+    from narwhal.bench.inprocess import EngineTruth, Slowdown
+
+    slowdowns = []
+    names = {engine.name for engine in router.engines}
+    for text in args.slowdown:
+        slowdown = Slowdown.parse(text)
+        if slowdown.engine not in names:
+            known = ", ".join(sorted(names))
+            raise ValueError(f"--slowdown {text}: no engine {slowdown.engine!r} (known: {known})")
+        slowdowns.append(slowdown)
+    return EngineTruth(
+        types=types,
+        scale=args.truth_scale,
+        prior=args.engine_truth == "prior",
+        slowdowns=tuple(slowdowns),
     )
 
 

@@ -12,6 +12,14 @@ Relaying every token through the whole stack is what costs CPU, so the engines c
 several tokens a chunk (:class:`CoalescingSimEngine`): the first token still goes alone, at the
 end of the prefill (the TTFT is exact), and each later chunk carries ``tokens_per_chunk`` tokens
 with all their IDs, as vLLM does with ``stream_interval``. The router counts IDs, not chunks.
+
+What the engines really do is theirs, not the router's (:class:`EngineTruth`): by default each
+runs the simulator's calibrated engine type named by its configured profile
+(:mod:`narwhal.sim.calibration`), varied by its seed, while the router predicts from its own
+prior (:mod:`narwhal.scheduling.profiles`). The truth can be made wronger still: other engine
+types than the router is told, every engine some factor slower, an engine that turns slower at
+a point of the run (:class:`Slowdown`); or, for comparison with the old benchmark, exactly the
+router's prior (``prior=True``).
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ import trio
 
 from narwhal.config import Config
 from narwhal.router import Router
+from narwhal.scheduling.profiles import get_profile
+from narwhal.sim.calibration import ALIASES, VARIATION
 from narwhal.sim.engine import SimEngine, SimPlan
+from narwhal.sim.timing import StepTiming, TimingModel
 from narwhal.sim.timing import profile as timing_profile
 from narwhal.sim.transport import SimTransport
 from narwhal.web.app import create_app, get_router
@@ -36,13 +47,109 @@ from narwhal.web.app import create_app, get_router
 __all__ = [
     "ASGIStreamTransport",
     "CoalescingSimEngine",
+    "EngineTruth",
     "InProcessFleet",
+    "Slowdown",
     "open_fleet",
     "run_lifespan",
 ]
 
 _BODY_PIECE = 1 << 16
 _COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def _fraction(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 < value < float("inf"):
+        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+@attrs.frozen
+class Slowdown:
+    """One engine turns ``factor`` times slower at a point of a replay.
+
+    Attributes:
+        engine: the engine's name.
+        at: when, as a fraction of the replay's span (0.5: half way through the arrivals).
+        factor: the engine's slowdown from then on (:meth:`SimEngine.schedule_slowdown`).
+    """
+
+    engine: str
+    at: float = attrs.field(validator=_fraction)
+    factor: float = attrs.field(validator=_positive)
+
+    @classmethod
+    def parse(cls, text: str) -> Slowdown:
+        """``ENGINE@AT:FACTOR``, e.g. ``engine-b@0.5:2.0``.
+
+        Raises:
+            ValueError: not of that form, or a value out of range.
+        """
+        engine, at_sign, rest = text.partition("@")
+        at, colon, factor = rest.partition(":")
+        if not (engine and at_sign and colon):
+            raise ValueError(f"expected ENGINE@AT:FACTOR (e.g. engine-b@0.5:2.0), got {text!r}")
+        try:
+            return cls(engine.strip(), float(at), float(factor))
+        except ValueError as exc:
+            raise ValueError(f"{text!r}: {exc}") from None
+
+    def __str__(self) -> str:
+        return f"{self.engine}@{self.at:g}:{self.factor:g}"
+
+
+@attrs.frozen
+class EngineTruth:
+    """How the simulated engines really behave, whatever the router is told.
+
+    Attributes:
+        types: each engine's simulated engine type, by position (cycled); empty: the type of
+            the engine's configured profile's name (so the truth is the same hardware as the
+            prior says, on the simulator's own calibrated constants).
+        scale: every engine's step costs times this (2: twice as slow as its type).
+        variation: the per-engine spread (:meth:`~narwhal.sim.calibration.EngineType.varied`,
+            seeded by the engine's seed).
+        prior: run the engines on the router's own profile instead (truth equals the prior,
+            up to ``scale``; no variation): the old benchmark, for comparison.
+        slowdowns: engines that turn slower during a replay.
+    """
+
+    types: tuple[str, ...] = ()
+    scale: float = attrs.field(default=1.0, validator=_positive)
+    variation: float = VARIATION
+    prior: bool = False
+    slowdowns: tuple[Slowdown, ...] = ()
+
+    def engine_type(self, configured: str, index: int) -> str:
+        """The engine type of engine ``index`` whose configured profile is ``configured``."""
+        name = self.types[index % len(self.types)] if self.types else configured
+        return ALIASES.get(name, name)
+
+    def timing(self, name: str, *, seed: int, time_scale: float = 1.0) -> TimingModel:
+        """The timing model of an engine of type ``name`` built with ``seed``."""
+        if self.prior:
+            return StepTiming(get_profile(name), time_scale=time_scale * self.scale)
+        return timing_profile(
+            name,
+            time_scale=time_scale,
+            seed=seed,
+            variation=self.variation,
+            truth_scale=self.scale,
+        )
+
+    def as_json(self) -> dict[str, object]:
+        """Plain values for the JSON report."""
+        return {
+            "types": list(self.types),
+            "scale": self.scale,
+            "variation": 0.0 if self.prior else self.variation,
+            "prior": self.prior,
+            "slowdowns": [str(slowdown) for slowdown in self.slowdowns],
+        }
 
 
 @attrs.define(eq=False)
@@ -254,29 +361,46 @@ class InProcessFleet:
 async def open_fleet(
     config: Config,
     *,
-    profile: str = "h100-llama3-8b",
+    profile: str | None = None,
     time_scale: float = 1.0,
     seed: int = 0,
     tokens_per_chunk: int = 1,
     wait_ready: bool = True,
+    truth: EngineTruth | None = None,
+    span_s: float | None = None,
 ) -> AsyncIterator[InProcessFleet]:
     """Start the router of ``config`` in front of one simulated engine per configured engine.
 
-    Each engine runs ``profile`` at ``time_scale`` in its configured dialect, seeded with
-    ``seed`` plus its position. Returns once ``/ready`` would be 200 (unless ``wait_ready`` is
-    false); on exit every task of the fleet is cancelled and the app shut down.
+    Each engine runs its engine type (``truth``; default :class:`EngineTruth`: the calibrated
+    type of its configured profile's name, or of ``profile`` when given) at ``time_scale`` in
+    its configured dialect, seeded with ``seed`` plus its position. With ``span_s``, the truth's
+    slowdowns are scheduled at their fraction of ``span_s`` from the moment this yields. Returns
+    once ``/ready`` would be 200 (unless ``wait_ready`` is false); on exit every task of the
+    fleet is cancelled and the app shut down.
+
+    Raises:
+        ValueError: a slowdown names an engine that is not configured.
     """
+    truth = EngineTruth() if truth is None else truth
     engines = {
         engine.name: CoalescingSimEngine(
             config.serving.model,
             dialect=engine.dialect,
-            timing=timing_profile(profile, time_scale=time_scale),
+            timing=truth.timing(
+                truth.engine_type(profile or engine.profile, index),
+                seed=seed + index,
+                time_scale=time_scale,
+            ),
             seed=seed + index,
             name=engine.name,
             tokens_per_chunk=tokens_per_chunk,
         )
         for index, engine in enumerate(config.engines)
     }
+    for slowdown in truth.slowdowns:
+        if slowdown.engine not in engines:
+            known = ", ".join(engines)
+            raise ValueError(f"slowdown {slowdown}: no engine {slowdown.engine!r} ({known})")
     transports = {name: SimTransport(engine, record=False) for name, engine in engines.items()}
     app = create_app(config, transports=transports)
     async with trio.open_nursery() as nursery:
@@ -288,6 +412,11 @@ async def open_fleet(
         try:
             if wait_ready:
                 await fleet.router.wait_ready()
+            if span_s is not None:
+                now = trio.current_time()
+                for slowdown in truth.slowdowns:
+                    engine = engines[slowdown.engine]
+                    engine.schedule_slowdown(now + slowdown.at * span_s, slowdown.factor)
             yield fleet
         finally:
             nursery.cancel_scope.cancel()

@@ -43,12 +43,13 @@ import trio.testing
 
 from narwhal.bench import procstat
 from narwhal.bench.goodput import Capacity, Outcome, engine_seconds
-from narwhal.bench.inprocess import InProcessFleet, open_fleet
+from narwhal.bench.inprocess import EngineTruth, InProcessFleet, open_fleet
 from narwhal.bench.load import StreamTimer, percentile
 from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncate
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig, UpstreamConfig
 from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.profiles import get_profile
+from narwhal.sim.calibration import ALIASES
 from narwhal.web import completions
 
 __all__ = [
@@ -79,12 +80,15 @@ class VirtualSetup:
     Attributes:
         router: the router's configuration (its engines are the simulated ones); each run sets
             the admission mode and the budget.
-        profile: the simulated engines' profile.
+        profile: the router's profile of the engines (its prior), and the simulated engine
+            type they run unless ``truth`` says otherwise.
         seed: seeds the engines, the scheduler and the sampling.
         tokens_per_chunk: tokens per streamed chunk after the first (the first goes alone).
         max_tokens: the ``max_tokens`` every request sends (the trace sets the real length).
         trace: the trace's short name.
         duration_s: seconds of trace replayed (trace time); ``None``: all of it.
+        truth: how the simulated engines really behave (engine types, a scale, a slowdown during
+            each replay), whatever the router's profiles say.
     """
 
     router: Config
@@ -94,6 +98,7 @@ class VirtualSetup:
     max_tokens: int = 2048
     trace: str = "conv"
     duration_s: float | None = None
+    truth: EngineTruth = attrs.field(factory=EngineTruth)
 
     def rows(self) -> list[TraceRequest]:
         """The trace rows replayed (unscaled)."""
@@ -107,9 +112,16 @@ class VirtualSetup:
 
 
 def default_router(
-    engines: int = 2, *, model: str = "llama-3.1-8b-instruct", profile: str = "h100-llama3-8b"
+    engines: int = 2,
+    *,
+    model: str = "llama-3.1-8b-instruct",
+    profile: str = "h100-llama3-8b",
+    types: tuple[str, ...] = (),
 ) -> Config:
     """The router the benchmark measures: ``engines`` vLLM engines, the shipped defaults but one.
+
+    Each engine's profile (the router's prior for it) is ``profile``, or with ``types`` the
+    router's profile of the same name as the engine's type (``h100`` is ``h100-llama3-8b``).
 
     ``decode_concurrency`` is the engines' batch size (``max_num_seqs`` of their profile), as
     the docs advise (docs: Admission control, "Choosing the limits"): the shipped 128 is half
@@ -124,7 +136,9 @@ def default_router(
             EngineConfig(
                 name=f"engine-{chr(ord('a') + index)}",
                 url=f"http://engine-{chr(ord('a') + index)}.sim",
-                profile=profile,
+                profile=ALIASES.get(types[index % len(types)], types[index % len(types)])
+                if types
+                else profile,
             )
             for index in range(engines)
         ),
@@ -366,7 +380,7 @@ async def _capacity(job: CapacityJob) -> Capacity:
     batches: list[float] = []
     async with open_fleet(
         config,
-        profile=setup.profile,
+        truth=setup.truth,
         seed=setup.seed,
         tokens_per_chunk=setup.tokens_per_chunk,
     ) as fleet:
@@ -479,7 +493,8 @@ async def _replay(job: ReplayJob) -> ReplayResult:
     forced_probe = _Probe(forced=True)
     async with open_fleet(
         config,
-        profile=setup.profile,
+        truth=setup.truth,
+        span_s=rows[-1].arrival_s if rows else 0.0,
         seed=setup.seed,
         tokens_per_chunk=setup.tokens_per_chunk,
     ) as fleet:
@@ -606,7 +621,7 @@ async def _memory(job: MemoryJob) -> MemoryResult:
     model = config.serving.model
     sink: dict[int, Outcome] = {}
     async with open_fleet(
-        config, profile=setup.profile, seed=setup.seed, tokens_per_chunk=setup.tokens_per_chunk
+        config, truth=setup.truth, seed=setup.seed, tokens_per_chunk=setup.tokens_per_chunk
     ) as fleet:
         origin = trio.current_time()
         async with trio.open_nursery() as nursery:
