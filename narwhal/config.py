@@ -146,7 +146,7 @@ class ServingConfig:
 class AdmissionConfig:
     """``[admission]``: limits and the TTFT budget."""
 
-    mode: Literal["open", "predictive"] = "predictive"
+    mode: Literal["open", "predictive", "shadow"] = "predictive"
     http_retention_limit: int = attrs.field(default=1024, validator=_positive)
     queue_limit: int = attrs.field(default=256, validator=_positive)
     admission_wait_s: float = attrs.field(default=20.0, validator=_positive)

@@ -6,7 +6,7 @@ embedders can build one from a :class:`~narwhal.config.Config` and a set of tran
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -17,6 +17,7 @@ import trio
 from narwhal.admission.accounting import Accounting, AccountingStatistics
 from narwhal.admission.limits import RetentionLimit, RetentionStatistics
 from narwhal.admission.margin import SafetyMargin
+from narwhal.admission.observer import Observers
 from narwhal.admission.queue import AdmissionQueue, QueueStatistics
 from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config, ConfigError
@@ -56,6 +57,7 @@ class RouterStatistics:
 
     state: str
     reason: str | None
+    mode: str
     accounting: AccountingStatistics
     engines: tuple[EngineStatistics, ...]
     retention: RetentionStatistics
@@ -79,6 +81,7 @@ class RouterStatistics:
         return {
             "state": self.state,
             "reason": self.why_not_ready(),
+            "admission": {"mode": self.mode},
             "counters": self.accounting.as_json(),
             "engines": [
                 {
@@ -92,6 +95,10 @@ class RouterStatistics:
                 for engine in self.engines
             ],
         }
+
+
+def _never() -> bool:
+    return False
 
 
 class Router:
@@ -144,7 +151,14 @@ class Router:
         self.margin = SafetyMargin()
         self.state: RouterState = "active"
         self.state_reason: str | None = None
+        # What admission decided and how it turned out (narwhal.admission.observer); the
+        # metrics listen first.
+        self.observers = Observers()
         self.metrics = Metrics(self)
+        self.observers.add(self.metrics)
+        # Asked, in the request's own task, when predictive admission would refuse it: true
+        # lets it in all the same, as shadow mode would (the benchmark's forced-in reruns).
+        self.exempt: Callable[[], bool] = _never
         self._live: set[LiveRequest] = set()
         self._idle = trio.Event()
         self._idle.set()
@@ -251,6 +265,7 @@ class Router:
         return RouterStatistics(
             state=self.state,
             reason=self.state_reason,
+            mode=self.config.admission.mode,
             accounting=self.accounting.statistics(),
             engines=tuple(engine.statistics() for engine in self.pool),
             retention=self.retention.statistics(),

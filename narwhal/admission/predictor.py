@@ -47,7 +47,7 @@ from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.engines import Engine
 from narwhal.scheduling.lengths import SEGMENTS, Census, OutputLengths, Remaining
 
-__all__ = ["Projection", "check_budget", "project"]
+__all__ = ["Projection", "check_budget", "judge", "project"]
 
 
 @attrs.frozen
@@ -336,16 +336,29 @@ def _earliest(
     return best
 
 
-def check_budget(projection: Projection, budget_s: float) -> None:
-    """Refuse a projection over budget; never a prompt beyond every context (the engine's 400).
+def judge(projection: Projection, budget_s: float) -> PredictiveRefusal | None:
+    """The refusal predictive admission makes of ``projection``, or ``None`` to admit it.
 
-    Raises:
-        PredictiveRefusal: ``prompt_exceeds_ttft_budget`` when the prompt alone is over the
-            budget; ``ttft_budget_exceeded`` when the projection is strictly over it.
+    Never a refusal for a prompt beyond every context (the engine's 400 answers it):
+    ``prompt_exceeds_ttft_budget`` when the prompt alone is over the budget;
+    ``ttft_budget_exceeded`` (with the overrun as ``Retry-After``) when the projection is
+    strictly over it.
     """
     if projection.beyond_context:
-        return
+        return None
     if projection.prompt_alone_s > budget_s:
-        raise PredictiveRefusal.prompt_too_long(projection.prompt_alone_s, budget_s)
+        return PredictiveRefusal.prompt_too_long(projection.prompt_alone_s, budget_s)
     if projection.ttft_s > budget_s:
-        raise PredictiveRefusal.over_budget(projection.ttft_s - budget_s)
+        return PredictiveRefusal.over_budget(projection.ttft_s - budget_s)
+    return None
+
+
+def check_budget(projection: Projection, budget_s: float) -> None:
+    """Refuse a projection over budget (:func:`judge`).
+
+    Raises:
+        PredictiveRefusal: the refusal :func:`judge` makes.
+    """
+    refusal = judge(projection, budget_s)
+    if refusal is not None:
+        raise refusal

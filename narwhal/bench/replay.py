@@ -6,18 +6,16 @@ scheduler breaks ties between tasks woken at the same instant at random; the run
 choice (:func:`seed_scheduler`), so a run is a pure function of its inputs and a rerun with one
 request forced in diverges from the original only where that request changes something.
 
-What the benchmark needs to see inside the router it reads through two harness-side hooks,
-installed for the run only and never part of the product (:func:`_hooks`):
-
-* predictive admission's budget check (``narwhal.web.completions.check_budget``) is wrapped to
-  record each request's projected TTFT, and to let the one *forced* request through whatever
-  its projection (the false-refusal reruns);
-* the router's TTFT and prediction-ratio histograms are wrapped to record, per request, the TTFT
-  the router measured and the TTFT it predicted at placement.
+What the benchmark needs to see inside the router it reads through the router's own admission
+observer seam (:mod:`narwhal.admission.observer`), listened to for the run only
+(:func:`_hooks`): each request's projected TTFT at arrival, whether predictive admission refuses
+it, and, once it completes, the TTFT the router measured and the one it predicted at placement.
+The one *forced* request of a false-refusal rerun is let through whatever its projection by the
+router's ``exempt`` hook, which asks whether the request's task carries the forced probe.
 
 Each request's task carries its own record in a context variable, which the router's tasks for
-that request inherit (Trio copies the spawning task's context), so the hooks know whose
-projection they see.
+that request inherit (Trio copies the spawning task's context), so the observer knows whose
+decision it is told.
 
 Every function here takes and returns plain, picklable values, so the runs can go to worker
 processes.
@@ -41,16 +39,15 @@ import orjson
 import trio
 import trio.testing
 
+from narwhal.admission.observer import Decision, Served
 from narwhal.bench import procstat
 from narwhal.bench.goodput import Capacity, Outcome, engine_seconds
 from narwhal.bench.inprocess import EngineTruth, InProcessFleet, open_fleet
 from narwhal.bench.load import StreamTimer, percentile
 from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncate
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig, UpstreamConfig
-from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.profiles import get_profile
 from narwhal.sim.calibration import ALIASES
-from narwhal.web import completions
 
 __all__ = [
     "CapacityJob",
@@ -208,61 +205,44 @@ _PROBE: contextvars.ContextVar[_Probe | None] = contextvars.ContextVar(
 )
 
 
-class _TTFTRecorder:
-    """Stands in for the router's TTFT histogram: records into the request's probe."""
+class _Recorder:
+    """An admission observer (:mod:`narwhal.admission.observer`) that writes into each
+    request's probe: its projection at arrival, whether predictive admission refuses it, the
+    TTFT the router measured and the one it predicted at placement."""
 
-    def __init__(self, histogram: Any) -> None:
-        self._histogram = histogram
-
-    def observe(self, value: float) -> None:
+    def decided(self, decision: Decision) -> None:
         probe = _PROBE.get()
-        if probe is not None:
-            probe.router_ttft_s = value
-        self._histogram.observe(value)
+        if probe is None or decision.projection is None:
+            return
+        probe.projected_ttft_s = decision.projection.typical_s
+        if probe.forced and decision.would_refuse:
+            probe.would_refuse = True  # forced in all the same (the router's exempt hook)
 
-
-class _RatioRecorder:
-    """Stands in for ``narwhal_predicted_ttft_error_ratio`` (observed over predicted TTFT)."""
-
-    def __init__(self, histogram: Any) -> None:
-        self._histogram = histogram
-
-    def observe(self, value: float) -> None:
+    def served(self, decision: Decision, served: Served) -> None:
         probe = _PROBE.get()
-        if probe is not None and probe.router_ttft_s is not None and value > 0:
-            probe.placement_ttft_s = probe.router_ttft_s / value
-        self._histogram.observe(value)
+        ttft = served.ttft_s
+        if probe is None or ttft is None:
+            return
+        probe.router_ttft_s = ttft
+        ratio = served.placement_error
+        if ratio is not None and ratio > 0:
+            probe.placement_ttft_s = ttft / ratio
+
+
+def _forced() -> bool:
+    probe = _PROBE.get()
+    return probe is not None and probe.forced
 
 
 @contextlib.contextmanager
 def _hooks(fleet: InProcessFleet) -> Iterator[None]:
-    # Looked up at call time by the completion handler, so replacing it reaches every request.
-    handler: Any = completions
-    original = handler.check_budget
-
-    def check_budget(projection: Any, budget_s: float) -> None:
-        probe = _PROBE.get()
-        if probe is None:
-            original(projection, budget_s)
-            return
-        probe.projected_ttft_s = projection.typical_s
-        if not probe.forced:
-            original(projection, budget_s)
-            return
-        try:
-            original(projection, budget_s)
-        except PredictiveRefusal:
-            probe.would_refuse = True  # forced in all the same
-
-    metrics: Any = fleet.router.metrics
-    ttft, ratio = metrics.ttft, metrics.predicted_ttft_error_ratio
-    handler.check_budget = check_budget
-    metrics.ttft, metrics.predicted_ttft_error_ratio = _TTFTRecorder(ttft), _RatioRecorder(ratio)
+    router = fleet.router
+    exempt, router.exempt = router.exempt, _forced
     try:
-        yield
+        with router.observers.watching(_Recorder()):
+            yield
     finally:
-        handler.check_budget = original
-        metrics.ttft, metrics.predicted_ttft_error_ratio = ttft, ratio
+        router.exempt = exempt
 
 
 # -- one request --------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import orjson
 import trio
 
 from narwhal.admission.accounting import Ticket
-from narwhal.admission.predictor import check_budget, project
+from narwhal.admission.observer import Decision, Served, Verdict
+from narwhal.admission.predictor import judge, project
 from narwhal.admission.queue import Waiter
 from narwhal.errors import (
     Expired,
@@ -200,33 +201,16 @@ async def _answer(
     tokens = router.sizer.prompt_tokens(parsed)
     ticket.sized = True
     waiter = Waiter(tokens, need_ids, route, parsed.max_output_tokens)
-    projection = None
-    budget = admission.ttft_budget_s
-    if admission.mode == "predictive":
-        now = trio.current_time()
-        projection = project(
-            router.pool,
-            router.queue.waiting(),
-            waiter,
-            router.lengths,
-            now=now,
-            elapsed_s=now - arrival,
-            overhead_s=admission.frontend_overhead_s,
-            margin=router.margin.factor,
-        )
-        if projection is None:
-            raise _no_engine()
-        check_budget(projection, budget)
-    elif not router.pool.any_eligible(need_token_ids=need_ids):
-        raise _no_engine()
+    decision = _admit(router, waiter, arrival)
+    projection = decision.projection
     teach = None
-    if projection is not None:  # the margin learns how the projection fared
-        teach = partial(router.margin.observe, projection.typical_s, budget_s=budget)
+    if projection is not None:  # the margin learns how the projection fared (shadow mode too)
+        teach = partial(router.margin.observe, projection.typical_s, budget_s=decision.budget_s)
     async with router.queue.placement(waiter, admission.admission_wait_s) as slot:
         router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
         headers = {"x-request-id": client.request_id}
         if not streams_upstream(parsed):
-            await _answer_whole(router, client, ticket, parsed, slot, arrival, headers)
+            await _answer_whole(router, client, ticket, parsed, slot, arrival, headers, decision)
             return
         async with open_exchange(
             router.pool, parsed, slot, arrival, headers=headers, on_first_output=teach
@@ -243,7 +227,53 @@ async def _answer(
                 exchange.record_outcome(ok=False)
                 raise
             exchange.record_outcome(ok=True)
-            _learn(router, exchange)
+            _learn(router, exchange, decision)
+
+
+def _admit(router: Router, waiter: Waiter, arrival: float) -> Decision:
+    """Decide on a sized request, tell the observers what and why, then apply it.
+
+    ``open`` mode projects nothing; ``predictive`` and ``shadow`` project the request's TTFT
+    and judge it against the budget, and only ``predictive`` refuses (unless the router's
+    ``exempt`` hook lets this request through): ``shadow`` records the would-be refusal and
+    admits the request, as ``open`` mode does.
+
+    Raises:
+        PredictiveRefusal: predictive mode refuses the request.
+        Unavailable: no eligible engine could serve it.
+    """
+    admission = router.config.admission
+    mode, budget = admission.mode, admission.ttft_budget_s
+    projection = refusal = None
+    if mode == "open":
+        serviceable = router.pool.any_eligible(need_token_ids=waiter.need_token_ids)
+    else:
+        now = trio.current_time()
+        projection = project(
+            router.pool,
+            router.queue.waiting(),
+            waiter,
+            router.lengths,
+            now=now,
+            elapsed_s=now - arrival,
+            overhead_s=admission.frontend_overhead_s,
+            margin=router.margin.factor,
+        )
+        serviceable = projection is not None
+        if projection is not None:
+            refusal = judge(projection, budget)
+    verdict: Verdict = "admitted"
+    if not serviceable:
+        verdict = "unavailable"
+    elif refusal is not None and mode == "predictive" and not router.exempt():
+        verdict = "refused"
+    decision = Decision.of(mode, budget, verdict, projection, refusal)
+    router.observers.decided(decision)
+    if verdict == "unavailable":
+        raise _no_engine()
+    if verdict == "refused" and refusal is not None:
+        raise refusal
+    return decision
 
 
 def _no_engine() -> Unavailable:
@@ -258,6 +288,7 @@ async def _answer_whole(
     slot: Slot,
     arrival: float,
     headers: dict[str, str],
+    decision: Decision,
 ) -> None:
     """A non-streaming request that a stream would answer differently: it goes to the engine
     as sent, and the engine's answer comes back as it is (:mod:`narwhal.upstream.whole`)."""
@@ -266,7 +297,7 @@ async def _answer_whole(
         whole.record_outcome(ok=True)
         with contextlib.suppress(ClientGone):
             await client.respond(whole.answer.status, whole.answer.raw)
-        _learn(router, whole)
+        _learn(router, whole, decision)
 
 
 async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, Any]:
@@ -374,15 +405,13 @@ class _StreamRelay:
         return [encode_data(orjson.dumps(chunk))]
 
 
-def _learn(router: Router, exchange: Exchange | WholeExchange) -> None:
-    """Feed a completed request's measurements back: metrics and the prompt-size ratio."""
+def _learn(router: Router, exchange: Exchange | WholeExchange, decision: Decision) -> None:
+    """Feed a completed request's measurements back: the observers (the metrics among them),
+    the output lengths and the prompt-size ratio."""
     measured = exchange.measurements
     metrics = router.metrics
-    ttft = measured.ttft
-    if ttft is not None:
-        metrics.ttft.observe(ttft)
-        if measured.predicted_ttft:
-            metrics.predicted_ttft_error_ratio.observe(ttft / measured.predicted_ttft)
+    served = Served(exchange.engine.name, measured.ttft, measured.predicted_ttft)
+    router.observers.served(decision, served)
     for gap in measured.gaps:
         metrics.inter_token_gap.observe(gap)
     produced = measured.output_tokens or measured.completion_tokens_reported

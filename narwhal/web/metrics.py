@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from narwhal.admission.accounting import TERMINAL_CLASSES
+from narwhal.admission.observer import Decision, Served
 
 if TYPE_CHECKING:
     from narwhal.router import Router
@@ -25,6 +26,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
 _GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
+_SHADOW_REASONS = ("ttft_budget_exceeded", "prompt_exceeds_ttft_budget")
 
 
 class _RouterCollector(Collector):
@@ -80,7 +83,12 @@ class _RouterCollector(Collector):
 
 
 class Metrics:
-    """The router's registry: snapshot collectors plus the per-request histograms."""
+    """The router's registry: snapshot collectors plus the per-request histograms.
+
+    It is an admission observer (:mod:`narwhal.admission.observer`): the TTFT histograms, the
+    projection's and the forecast's errors and shadow mode's would-be refusals come from what
+    admission decided and how each admitted request turned out.
+    """
 
     def __init__(self, router: Router) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -113,10 +121,42 @@ class Metrics:
         )
         self.predicted_ttft_error_ratio = Histogram(
             "narwhal_predicted_ttft_error_ratio",
-            "Observed over predicted time to first token",
-            buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4),
+            "Observed over predicted time to first token (the prediction at placement)",
+            buckets=_RATIO_BUCKETS,
             registry=self.registry,
         )
+        self.projected_ttft_error_ratio = Histogram(
+            "narwhal_projected_ttft_error_ratio",
+            "Observed time to first token over the typical projection at arrival",
+            buckets=_RATIO_BUCKETS,
+            registry=self.registry,
+        )
+        self.shadow_refusals = Counter(
+            "narwhal_shadow_refusals",
+            "Refusals predictive admission would have made, recorded and not applied",
+            labelnames=["reason"],
+            registry=self.registry,
+        )
+        for reason in _SHADOW_REASONS:
+            self.shadow_refusals.labels(reason=reason)
+
+    def decided(self, decision: Decision) -> None:
+        """Count a would-be refusal (shadow mode)."""
+        if decision.shadow_refusal:
+            self.shadow_refusals.labels(reason=decision.code).inc()
+
+    def served(self, decision: Decision, served: Served) -> None:
+        """Observe a completed request's TTFT and the errors of what predicted it."""
+        ttft = served.ttft_s
+        if ttft is None:
+            return
+        self.ttft.observe(ttft)
+        placement = served.placement_error
+        if placement is not None:
+            self.predicted_ttft_error_ratio.observe(placement)
+        projection = served.projection_error(decision)
+        if projection is not None:
+            self.projected_ttft_error_ratio.observe(projection)
 
     def count_client_timeout(self, phase: str) -> None:
         """One client too slow to send its request (``phase``: ``headers`` or ``body``)."""
