@@ -4,8 +4,9 @@ The router and two simulated engines run in one process under Trio's ``MockClock
 (:mod:`narwhal.bench.replay`), seeded, so the Azure conversation trace replays in the CPU time
 its requests cost, reproducibly, free of machine noise. The benchmark:
 
-1. measures the engines' **capacity**: a closed loop at saturation with the trace's prompt and
-   output lengths, through the router in ``open`` mode with its limits lifted;
+1. measures the engines' **capacity**: a closed loop at saturation with the trace's own rows
+   (each once per pass, seeded order), through the router in ``open`` mode with its limits
+   lifted, from the end of its first wave until it has completed a pass over the trace;
 2. **replays** the trace open-loop at multiples of that capacity (its time axis scaled), once in
    ``predictive`` mode and once in ``open`` mode, same seed;
 3. forces a sample of each predictive run's **refused** requests in, one rerun each, to see
@@ -13,7 +14,10 @@ its requests cost, reproducibly, free of machine noise. The benchmark:
 4. fills the router's retention and queue limits and measures the **memory** they add;
 
 and prints the figures, the quality bar's verdicts (:func:`narwhal.bench.goodput.evaluate`) and
-the wall times. Independent runs go to worker processes (``jobs``).
+the wall times. The verdict is ``PASS`` only when every target was checked and passed: a target
+whose figure was not measured (its load not run, no memory measurement) is ``NOT RUN`` and the
+whole run ``INCOMPLETE``; the command's exit status is then 1, as for a failure. Independent
+runs go to worker processes (``jobs``).
 """
 
 from __future__ import annotations
@@ -79,8 +83,11 @@ class AdmissionSettings:
         modes: admission modes compared (``predictive`` carries the verdicts).
         budget_s: the TTFT budget (``admission.ttft_budget_s``).
         capacity: a capacity to use instead of measuring one.
-        capacity_warmup_s: virtual seconds of the capacity loop before measuring.
-        capacity_window_s: virtual seconds measured.
+        capacity_warmup_s: least virtual seconds of the capacity loop before measuring (it
+            also waits for the loop's first wave to end).
+        capacity_window_s: least virtual seconds measured (it also waits for
+            ``capacity_passes`` passes over the trace's rows to complete).
+        capacity_passes: least completions in the capacity window, in passes over the trace.
         warmup_fraction: share of each replay's span left out of its goodput window.
         false_refusal_samples: refused requests forced in per load (predictive runs), by
             load; a load not listed takes ``false_refusal_default``.
@@ -97,6 +104,7 @@ class AdmissionSettings:
     capacity: Capacity | None = None
     capacity_warmup_s: float = 30.0
     capacity_window_s: float = 90.0
+    capacity_passes: float = 1.0
     warmup_fraction: float = 0.2
     false_refusal_samples: tuple[tuple[float, int], ...] = ((0.5, 20),)
     false_refusal_default: int = 3
@@ -129,6 +137,7 @@ class AdmissionSettings:
             "capacity_given": self.capacity is not None,
             "capacity_warmup_s": self.capacity_warmup_s,
             "capacity_window_s": self.capacity_window_s,
+            "capacity_passes": self.capacity_passes,
             "warmup_fraction": self.warmup_fraction,
             "false_refusal_samples": {str(load): self.samples_at(load) for load in self.loads},
             "memory": self.memory,
@@ -193,23 +202,25 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
     capacity = settings.capacity
     if capacity is None:
         echo(
-            f"capacity: closed loop through the router (open, limits lifted), "
-            f"{settings.capacity_warmup_s:g} s warm-up + {settings.capacity_window_s:g} s "
-            "measured (virtual)"
+            f"capacity: closed loop through the router (open, limits lifted), at least "
+            f"{settings.capacity_warmup_s:g} s warm-up (until the first wave has ended) + "
+            f"{settings.capacity_window_s:g} s measured (until {settings.capacity_passes:g} "
+            "pass of the trace has completed; virtual)"
         )
         capacity = measure_capacity(
             CapacityJob(
                 setup,
                 warmup_s=settings.capacity_warmup_s,
                 window_s=settings.capacity_window_s,
+                passes=settings.capacity_passes,
             )
         )
     else:
         capacity = with_engine_time(capacity, setup)
     walls["capacity"] = time.perf_counter() - phase
     echo(
-        f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "
-        f"({walls['capacity']:.0f} s wall)"
+        f"capacity: {capacity.engine_s_per_s:.3f} engine-s/s, {capacity.rps:.2f} req/s of the "
+        f"trace's mix ({walls['capacity']:.0f} s wall)"
     )
 
     phase = time.perf_counter()
@@ -228,7 +239,8 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
         echo(
             f"  {load:g}x {mode}: {figure.offered} offered, {_pct(figure.admitted_fraction)} "
             f"admitted, {_pct(figure.in_budget_fraction)} in budget, goodput "
-            f"{_pct(figure.goodput_ratio)} of bound ({result.wall_s:.0f} s wall)"
+            f"{_pct(figure.goodput_engine_ratio)} of bound in engine work, "
+            f"{_pct(figure.goodput_ratio)} in requests ({result.wall_s:.0f} s wall)"
         )
 
     phase = time.perf_counter()

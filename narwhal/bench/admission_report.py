@@ -11,10 +11,20 @@ from typing import Any
 
 import attrs
 
-from narwhal.bench.goodput import REFUSAL_CODES, REJECTION_CODES, Capacity, Check, ReplayFigures
+from narwhal.bench.goodput import (
+    PASS,
+    REFUSAL_CODES,
+    REJECTION_CODES,
+    Capacity,
+    Check,
+    Prediction,
+    PredictionError,
+    ReplayFigures,
+    overall_verdict,
+)
 from narwhal.bench.replay import MemoryResult
 
-__all__ = ["AdmissionReport", "render_checks", "render_runs"]
+__all__ = ["AdmissionReport", "render_checks", "render_runs", "verdict_line"]
 
 
 @attrs.frozen
@@ -43,9 +53,19 @@ class AdmissionReport:
     wall_s: dict[str, float]
 
     @property
+    def verdict(self) -> str:
+        """``PASS`` (every target checked and passed), ``FAIL`` or ``INCOMPLETE``."""
+        return overall_verdict(check.passed for check in self.checks)
+
+    @property
     def passed(self) -> bool:
-        """No verdict failed."""
-        return all(check.passed is not False for check in self.checks)
+        """Every target was checked and passed (a check not run is not a pass)."""
+        return self.verdict == PASS
+
+    @property
+    def prediction(self) -> Prediction:
+        """The predictive runs' TTFT predictions, pooled: at arrival and at placement."""
+        return Prediction.pooled(run for run in self.runs if run.mode == "predictive")
 
     def as_json(self) -> dict[str, Any]:
         """The JSON report."""
@@ -56,8 +76,11 @@ class AdmissionReport:
             "capacity": self.capacity.as_json(),
             "runs": [run.as_json() for run in self.runs],
             "memory": None if self.memory is None else self.memory.as_json(),
+            "prediction_error": self.prediction.as_json(),
             "checks": [check.as_json() for check in self.checks],
             "wall_s": self.wall_s,
+            "verdict": self.verdict,
+            "not_run": [check.name for check in self.checks if check.passed is None],
             "passed": self.passed,
         }
 
@@ -85,9 +108,16 @@ def _status(outcomes: Mapping[str, int], status: str) -> int:
 
 _RUN_HEADER = (
     f"{'load':>5} {'mode':<10} {'offered':>7} {'req/s':>6} {'admit':>7} {'in-bgt':>7} "
-    f"{'goodput':>7} {'bound':>6} {'ratio':>6} {'eng':>6} {'p50 s':>6} {'p99 s':>6} "
-    f"{'refused':>7} {'429cap':>6} {'503':>4} {'504':>5} {'false':>6} {'pred':>11}"
+    f"{'eng':>6} {'goodput':>7} {'bound':>6} {'req':>6} {'p50 s':>6} {'p99 s':>6} "
+    f"{'refused':>7} {'429cap':>6} {'503':>4} {'504':>5} {'unatt':>5} {'false':>6} "
+    f"{'arrival':>9} {'place':>9}"
 )
+
+
+def _errors(error: PredictionError) -> str:
+    if error.median_abs is None or error.p90_abs is None:
+        return "-"
+    return f"{_pct(error.median_abs, 0)}/{_pct(error.p90_abs, 0)}"
 
 
 def render_runs(runs: Sequence[ReplayFigures]) -> list[str]:
@@ -100,20 +130,16 @@ def render_runs(runs: Sequence[ReplayFigures]) -> list[str]:
             false_text = f"{len(false.met_budget)}/{len(false.sampled)}"
         elif false is not None:
             false_text = "0/0"
-        prediction = run.placement
-        pred_text = (
-            "-"
-            if prediction.median_abs is None or prediction.p90_abs is None
-            else f"{_pct(prediction.median_abs, 0)}/{_pct(prediction.p90_abs, 0)}"
-        )
         lines.append(
             f"{run.load:>4g}x {run.mode:<10} {run.offered:>7} {run.offered_rps:>6.1f} "
             f"{_pct(run.admitted_fraction):>7} {_pct(run.in_budget_fraction):>7} "
-            f"{run.goodput_rps:>7.2f} {run.bound_rps:>6.2f} {_pct(run.goodput_ratio):>6} "
-            f"{_pct(run.goodput_engine_ratio):>6} {_seconds(run.ttft_p50_s):>6} "
+            f"{_pct(run.goodput_engine_ratio):>6} {run.goodput_rps:>7.2f} "
+            f"{run.bound_rps:>6.2f} {_pct(run.goodput_ratio):>6} "
+            f"{_seconds(run.ttft_p50_s):>6} "
             f"{_seconds(run.ttft_p99_s):>6} {_count(run.outcomes, REFUSAL_CODES):>7} "
             f"{_count(run.outcomes, REJECTION_CODES):>6} {_status(run.outcomes, '503'):>4} "
-            f"{_status(run.outcomes, '504'):>5} {false_text:>6} {pred_text:>11}"
+            f"{_status(run.outcomes, '504'):>5} {run.unattainable:>5} {false_text:>6} "
+            f"{_errors(run.projection):>9} {_errors(run.placement):>9}"
         )
     return lines
 
@@ -121,12 +147,13 @@ def render_runs(runs: Sequence[ReplayFigures]) -> list[str]:
 def render_checks(checks: Sequence[Check]) -> list[str]:
     """The verdicts, predictive figure first and open mode's beside it."""
     width = max((len(check.name) for check in checks), default=10)
-    lines = [f"{'check':<{width}}  {'predictive':>10}  {'target':>9}  {'open':>8}  verdict"]
+    lines = [f"{'check':<{width}}  {'measured':>10}  {'target':>9}  {'open':>8}  {'verdict':<7}"]
     for check in checks:
-        lines.append(
+        line = (
             f"{check.name:<{width}}  {check.measured:>10}  {check.target:>9}  "
-            f"{check.open_mode or '-':>8}  {check.verdict}"
+            f"{check.open_mode or '-':>8}  {check.verdict:<7}"
         )
+        lines.append(f"{line}  ({check.note})" if check.note else line.rstrip())
     return lines
 
 
@@ -145,9 +172,12 @@ def render_report(report: AdmissionReport) -> list[str]:
     ]
     if capacity.measured:
         lines.append(
-            f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "
-            f"(closed loop of {capacity.concurrency} through the router, open, limits lifted; "
-            f"{capacity.completed} completions in {capacity.window_s:g} s; mean batch "
+            f"capacity: {capacity.engine_s_per_s:.3f} engine-s/s, {capacity.rps:.2f} req/s of "
+            f"the trace's mix (closed loop of {capacity.concurrency} through the router, open, "
+            f"limits lifted, the trace's rows in a seeded shuffled cycle; "
+            f"{capacity.completed} completions in {capacity.window_s:.0f} s after "
+            f"{capacity.warmup_s:.0f} s of warm-up, {_rate(capacity.completed_rps)} req/s, "
+            f"mix {_number(capacity.mix, 2)} of the trace's mean engine time; mean batch "
             f"{_number(capacity.mean_batch)} per engine)"
         )
     else:
@@ -157,23 +187,28 @@ def render_report(report: AdmissionReport) -> list[str]:
         )
     lines += ["", *render_runs(report.runs), ""]
     lines += [
-        "admit: admitted / offered; in-bgt: admitted with TTFT <= budget / admitted; goodput: "
-        "in-budget completions per second over the window; bound: min(offered, capacity); "
-        "ratio / eng: goodput / bound in requests / engine time; p50, p99: TTFT of admitted "
+        "admit: admitted / offered; in-bgt: admitted with TTFT <= budget / admitted; eng: "
+        "goodput / bound in engine work (the headline); goodput: in-budget completions per "
+        "second over the window; bound: min(offered, capacity) in requests per second, of the "
+        "attainable requests; req: goodput / bound in requests; p50, p99: TTFT of admitted "
         "requests; refused: 429 ttft_budget_exceeded + prompt_exceeds_ttft_budget; 429cap: "
-        "queue or retention full; false: refused requests forced in that met the budget / "
-        "sampled; pred: router TTFT prediction error at placement, median / p90.",
+        "queue or retention full; unatt: requests in the window whose first token, alone on an "
+        "idle engine, would miss the budget (out of the bound); false: refused requests forced "
+        "in that met the budget / sampled; arrival: error of admission's TTFT projection at "
+        "arrival (scored), median / p90; place: of the router's prediction at placement, after "
+        "the queue wait.",
         "",
     ]
     for run in report.runs:
         if run.mode != "predictive":
             continue
-        projection = run.projection
+        projection, placement = run.projection, run.placement
         lines.append(
             f"{run.load:g}x predictive: {_pct(run.in_budget_window)} of admitted in budget after "
-            f"the warm-up; admission projection error median {_pct(projection.median_abs)}, "
-            f"p90 {_pct(projection.p90_abs)}, bias {_pct(projection.median_signed)} "
-            "(projected at arrival vs observed TTFT)"
+            f"the warm-up; projection at arrival: error median {_pct(projection.median_abs)}, "
+            f"p90 {_pct(projection.p90_abs)}, bias {_pct(projection.median_signed)}; at "
+            f"placement: median {_pct(placement.median_abs)}, p90 {_pct(placement.p90_abs)}, "
+            f"bias {_pct(placement.median_signed)}"
         )
     lines += ["", *render_checks(report.checks)]
     if report.memory is not None:
@@ -191,10 +226,23 @@ def render_report(report: AdmissionReport) -> list[str]:
         + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in wall.items())
         + f" ({report.environment.get('cpu_cores')} CPU cores, {settings['jobs']} worker "
         "processes)",
-        f"verdict: {'PASS' if report.passed else 'FAIL'}",
+        verdict_line(report.verdict, report.checks),
     ]
     return lines
 
 
-def _number(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.0f}"
+def verdict_line(verdict: str, checks: Sequence[Check]) -> str:
+    """``verdict: PASS``, or the verdict with what failed and what did not run."""
+    failed = sum(1 for check in checks if check.passed is False)
+    not_run = sum(1 for check in checks if check.passed is None)
+    parts = [f"{failed} failed"] if failed else []
+    parts += [f"{not_run} not run"] if not_run else []
+    return f"verdict: {verdict}" + (f" ({', '.join(parts)} of {len(checks)})" if parts else "")
+
+
+def _number(value: float | None, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"

@@ -1,6 +1,6 @@
 """``narwhal bench SUBCOMMAND``: the benchmarks' command line.
 
-Exit status: 0 when every check passed (or was skipped), 1 when a check failed, 2 when the
+Exit status: 0 when every check ran and passed, 1 when a check failed or did not run, 2 when the
 command line was wrong or a process could not start, 130 when interrupted (Ctrl-C or SIGTERM;
 the benchmark's processes are stopped either way).
 """
@@ -637,7 +637,7 @@ def _real_time(
     args: argparse.Namespace, settings: AdmissionSettings, echo: Callable[[str], None]
 ) -> tuple[str, dict[str, Any], bool]:
     from narwhal.bench.admission_realtime import RealtimeSettings, run_realtime
-    from narwhal.bench.admission_report import render_checks, render_runs
+    from narwhal.bench.admission_report import render_checks, render_runs, verdict_line
     from narwhal.bench.replay import CapacityJob, measure_capacity
 
     capacity = settings.capacity
@@ -680,7 +680,7 @@ def _real_time(
         *render_checks(report.checks),
         "",
         f"wall time: {report.wall_s:.0f} s",
-        f"verdict: {'PASS' if report.passed else 'FAIL'}",
+        verdict_line(report.verdict, report.checks),
     ]
     data = {"capacity": capacity.as_json(), **report.as_json()}
     return "\n".join(lines), data, report.passed

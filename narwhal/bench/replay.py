@@ -315,18 +315,29 @@ def _error_code(raw: bytes) -> str:
 class CapacityJob:
     """A closed loop at saturation, through the router in ``open`` mode with its limits lifted.
 
+    The loop sends the trace's own rows, in a seeded shuffled order, each once per pass, so
+    what it offers is the trace's mix. Its first wave starts at once, and its short requests
+    end first: the warm-up lasts until every request of that wave has ended, so the window
+    does not see a mix favouring short requests, and the window lasts until it has completed
+    ``passes`` times the trace's rows.
+
     Attributes:
         setup: the shared setup.
         concurrency: requests kept in flight (default: 1.25 times what the engines' batches
             hold, so their waiting queues never run dry).
-        warmup_s: virtual seconds before the measurement starts.
-        window_s: virtual seconds measured.
+        warmup_s: least virtual seconds before the measurement starts.
+        window_s: least virtual seconds measured.
+        passes: least completions in the window, in passes over the trace's rows.
+        max_s: most virtual seconds the loop runs, warm-up and window together (a stop for
+            engines too slow to complete the passes).
     """
 
     setup: VirtualSetup
     concurrency: int | None = None
     warmup_s: float = 30.0
     window_s: float = 90.0
+    passes: float = 1.0
+    max_s: float = 3600.0
 
     def effective_concurrency(self) -> int:
         """The concurrency the loop keeps."""
@@ -354,10 +365,12 @@ async def _capacity(job: CapacityJob) -> Capacity:
     )
     config = attrs.evolve(setup.router, admission=lifted)
     rows = setup.rows()
-    rng = random.Random(setup.seed)
+    order = list(rows)
+    random.Random(setup.seed).shuffle(order)
     profile = get_profile(setup.profile)
     outcomes: dict[int, Outcome] = {}
     batches: list[float] = []
+    bounds: list[float] = []  # [start, stop] of the window, once known
     async with open_fleet(
         config,
         truth=setup.truth,
@@ -365,45 +378,68 @@ async def _capacity(job: CapacityJob) -> Capacity:
         tokens_per_chunk=setup.tokens_per_chunk,
     ) as fleet:
         origin = trio.current_time()
-        end = origin + job.warmup_s + job.window_s
         numbers = iter(range(1 << 62))
 
         async def worker() -> None:
             for number in numbers:
-                if trio.current_time() >= end:
-                    return
-                row = attrs.evolve(rng.choice(rows), index=number)
+                row = attrs.evolve(order[number % len(order)], index=number)
                 body = chat_body(config.serving.model, row, max_tokens=setup.max_tokens)
                 await _send(fleet, row, body, origin, outcomes)
 
-        async def sample_batches() -> None:
-            await trio.sleep(job.warmup_s)
-            while trio.current_time() < end:
-                running = [e.statistics().running for e in fleet.engines.values()]
-                batches.append(sum(running) / len(running))
-                await trio.sleep(1.0)
+        def ended_in_window(start: float) -> int:
+            return sum(
+                1
+                for o in outcomes.values()
+                if o.completed and o.end_s is not None and o.end_s >= start
+            )
 
-        with trio.move_on_at(end):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(sample_batches)
-                for _ in range(concurrency):
-                    nursery.start_soon(worker)
+        async def measure(cancel: trio.CancelScope) -> None:
+            start: float | None = None
+            target = job.passes * len(rows)
+            while (now := trio.current_time() - origin) < job.max_s:
+                if start is None:
+                    first_wave_ended = all(number in outcomes for number in range(concurrency))
+                    if now >= job.warmup_s and first_wave_ended:
+                        start = now
+                else:
+                    if now - start >= job.window_s and ended_in_window(start) >= target:
+                        break
+                    running = [e.statistics().running for e in fleet.engines.values()]
+                    batches.append(sum(running) / len(running))
+                await trio.sleep(1.0)
+            now = trio.current_time() - origin
+            bounds.extend((now if start is None else start, now))
+            cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(measure, nursery.cancel_scope)
+            for _ in range(concurrency):
+                nursery.start_soon(worker)
         fleet.nursery.cancel_scope.cancel()
-    start, stop = job.warmup_s, job.warmup_s + job.window_s
+    start, stop = bounds
+    window = max(stop - start, 1e-9)
     done = [
-        o for o in outcomes.values() if o.completed and o.end_s is not None and start <= o.end_s
+        o
+        for o in outcomes.values()
+        if o.completed and o.end_s is not None and start <= o.end_s <= stop
     ]
-    done = [o for o in done if o.end_s is not None and o.end_s <= stop]
     ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
     engine_s = sum(engine_seconds(profile, o.prompt_tokens, o.output_tokens) for o in done)
+    trace_mean = sum(engine_seconds(profile, r.prompt_tokens, r.output_tokens) for r in rows)
+    trace_mean /= max(1, len(rows))
+    done_mean = engine_s / len(done) if done else None
+    engine_rate = engine_s / window
     return Capacity(
-        rps=len(done) / job.window_s,
-        engine_s_per_s=engine_s / job.window_s,
-        window_s=job.window_s,
+        rps=engine_rate / trace_mean if trace_mean > 0 else len(done) / window,
+        engine_s_per_s=engine_rate,
+        window_s=window,
         completed=len(done),
         concurrency=concurrency,
         mean_batch=sum(batches) / len(batches) if batches else None,
         ttft_p50_s=percentile(ttfts, 50) if ttfts else None,
+        warmup_s=start,
+        completed_rps=len(done) / window,
+        mix=None if done_mean is None or trace_mean <= 0 else done_mean / trace_mean,
     )
 
 
@@ -502,13 +538,32 @@ async def _replay(job: ReplayJob) -> ReplayResult:
             forced_ttft = None
         would_refuse = forced_probe.would_refuse
     return ReplayResult(
-        outcomes=tuple(outcomes[index] for index in sorted(outcomes)),
+        outcomes=_with_idle_ttft(fleet, outcomes),
         books=books,
         wall_s=0.0,
         virtual_s=virtual_s,
         forced_ttft_s=forced_ttft,
         forced_would_refuse=would_refuse,
     )
+
+
+def _with_idle_ttft(fleet: InProcessFleet, outcomes: dict[int, Outcome]) -> tuple[Outcome, ...]:
+    """The outcomes in trace order, each with its first token alone on the fastest idle engine.
+
+    The engines' own timing answers (their true behaviour, whatever the router was told), so
+    the bound can leave out the requests no policy could have served in budget.
+    """
+    engines = list(fleet.engines.values())
+    idle: dict[int, float | None] = {}
+    result = []
+    for index in sorted(outcomes):
+        outcome = outcomes[index]
+        tokens = outcome.prompt_tokens
+        if tokens not in idle:
+            delays = [engine.timing.first_token_delay_s(tokens) for engine in engines]
+            idle[tokens] = min(delays) if delays else None
+        result.append(attrs.evolve(outcome, idle_ttft_s=idle[tokens]))
+    return tuple(result)
 
 
 # -- memory -------------------------------------------------------------------------------------

@@ -292,10 +292,11 @@ class LevelReport:
 
 @attrs.frozen
 class Check:
-    """One target of SPEC.md's quality bar, as measured."""
+    """One target of SPEC.md's quality bar, as measured: ``NOT RUN`` when its level or target
+    did not run (never a pass)."""
 
     name: str
-    status: Literal["PASS", "FAIL", "SKIP"]
+    status: Literal["PASS", "FAIL", "NOT RUN"]
     detail: str
 
     def as_json(self) -> dict[str, Any]:
@@ -307,7 +308,7 @@ def evaluate_checks(
     levels: Iterable[LevelReport], *, ttft_bound_s: float = 0.002, error_free_at: int = 64
 ) -> tuple[Check, ...]:
     """Narwhal's added p50 TTFT at c=1 within ``ttft_bound_s``; no Narwhal errors at
-    c=``error_free_at``. A check whose level or target did not run is ``SKIP``."""
+    c=``error_free_at``. A check whose level or target did not run is ``NOT RUN``."""
     by_concurrency = {level.concurrency: level for level in levels}
     bound_ms = ttft_bound_s * 1000
     ttft_name = f"narwhal added p50 TTFT <= {bound_ms:g} ms at c=1"
@@ -316,7 +317,7 @@ def evaluate_checks(
     level = by_concurrency.get(1)
     added = level.added(NARWHAL) if level is not None else None
     if added is None or added.ttft_p50_s is None:
-        ttft = Check(ttft_name, "SKIP", "c=1 with narwhal and the direct path was not measured")
+        ttft = Check(ttft_name, "NOT RUN", "c=1 with narwhal and the direct path was not measured")
     else:
         ttft = Check(
             ttft_name,
@@ -327,7 +328,7 @@ def evaluate_checks(
     level = by_concurrency.get(error_free_at)
     result = level.result(NARWHAL) if level is not None else None
     if result is None:
-        errors = Check(errors_name, "SKIP", f"c={error_free_at} with narwhal was not measured")
+        errors = Check(errors_name, "NOT RUN", f"c={error_free_at} with narwhal was not measured")
     else:
         kinds = ", ".join(f"{kind} x{count}" for kind, count in result.error_kinds.items())
         errors = Check(
@@ -356,9 +357,20 @@ class OverheadReport:
     checks: tuple[Check, ...]
 
     @property
+    def verdict(self) -> str:
+        """``PASS`` when every check ran and passed; ``FAIL`` when one failed; else
+        ``INCOMPLETE`` (a check did not run, or there is none)."""
+        statuses = [check.status for check in self.checks]
+        if "FAIL" in statuses:
+            return "FAIL"
+        if not statuses or "NOT RUN" in statuses:
+            return "INCOMPLETE"
+        return "PASS"
+
+    @property
     def passed(self) -> bool:
-        """No check failed."""
-        return all(check.status != "FAIL" for check in self.checks)
+        """Every check ran and passed."""
+        return self.verdict == "PASS"
 
     @property
     def total_errors(self) -> dict[str, int]:
@@ -378,6 +390,7 @@ class OverheadReport:
             "levels": [level.as_json() for level in self.levels],
             "errors_per_target": self.total_errors,
             "checks": [check.as_json() for check in self.checks],
+            "verdict": self.verdict,
             "passed": self.passed,
         }
 
@@ -396,6 +409,7 @@ class OverheadReport:
             lines.extend(_render_level(level))
         lines.append("")
         lines.extend(f"{check.status}  {check.name}: {check.detail}" for check in self.checks)
+        lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
 
 

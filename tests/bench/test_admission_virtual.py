@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from narwhal.bench.cli import admission_settings, main, parse_floats
-from narwhal.bench.goodput import Capacity, replay_figures
+from narwhal.bench.goodput import Capacity, engine_seconds, replay_figures
 from narwhal.bench.inprocess import CoalescingSimEngine
 from narwhal.bench.replay import (
     CapacityJob,
@@ -114,13 +114,32 @@ def test_a_refused_request_forced_in_on_the_same_seeded_run() -> None:
     assert forced.virtual_s == pytest.approx(target.arrival_s + tight)
 
 
-def test_capacity_is_what_a_saturated_closed_loop_completes() -> None:
-    capacity = measure_capacity(CapacityJob(SETUP, concurrency=96, warmup_s=2.0, window_s=4.0))
+def test_capacity_is_what_a_saturated_closed_loop_completes_of_the_traces_mix() -> None:
+    rows = SETUP.rows()
+    job = CapacityJob(SETUP, concurrency=96, warmup_s=2.0, window_s=4.0)
+    capacity = measure_capacity(job)
     assert capacity.concurrency == 96
-    assert capacity.completed > 0
-    assert capacity.rps == capacity.completed / 4.0
-    assert capacity.engine_s_per_s > 0
+    # The warm-up lasts until the first wave has ended, the window until a pass has completed.
+    assert capacity.warmup_s > 2.0 and capacity.window_s >= 4.0
+    assert capacity.completed >= len(rows)
+    assert capacity.completed_rps == capacity.completed / capacity.window_s
+    # Its request rate is that of the trace's own mix: its engine work over the trace's mean.
+    profile = get_profile("h100-llama3-8b")
+    mean = sum(engine_seconds(profile, r.prompt_tokens, r.output_tokens) for r in rows) / len(rows)
+    assert capacity.rps == pytest.approx(capacity.engine_s_per_s / mean)
+    assert capacity.mix is not None and 0.8 < capacity.mix < 1.25
     assert capacity.mean_batch is not None and capacity.mean_batch > 20
+
+
+def test_a_lone_request_on_idle_engines_takes_their_idle_first_token(
+    one_minute: dict[str, object],
+) -> None:
+    for result in one_minute.values():
+        outcomes = result.outcomes  # type: ignore[attr-defined]
+        assert all(outcome.idle_ttft_s is not None for outcome in outcomes)
+        first = outcomes[0]  # nothing else on the engines yet: an idle engine's first token,
+        # the fastest engine's (the idle figure) or another's (the engines vary by a few %)
+        assert first.idle_ttft_s <= first.ttft_s <= first.idle_ttft_s * 1.1
 
 
 def test_memory_measurement_fills_the_retention_and_queue_limits() -> None:

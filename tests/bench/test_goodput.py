@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from narwhal.bench.admission import sample_refusals
-from narwhal.bench.admission_report import render_checks, render_runs
+from narwhal.bench.admission_report import AdmissionReport, render_checks, render_runs
 from narwhal.bench.goodput import (
     Bar,
     Capacity,
+    Check,
     FalseRefusals,
     Outcome,
+    Prediction,
     PredictionError,
     ReplayFigures,
     Window,
@@ -18,6 +21,7 @@ from narwhal.bench.goodput import (
     engine_seconds,
     evaluate,
     outcome_label,
+    overall_verdict,
     replay_figures,
     safe_ratio,
 )
@@ -186,8 +190,6 @@ def figures(load: float, mode: str, **values: object) -> ReplayFigures:
         profile=PROFILE,
         warmup_fraction=0.0,
     )
-    import attrs
-
     return attrs.evolve(base, **values)  # type: ignore[arg-type]
 
 
@@ -197,35 +199,165 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
             0.5,
             "predictive",
             false_refusals=FalseRefusals(10, 1000, (1, 2), (2,)),
-            placement_pairs=((1.05, 1.0),) * 8 + ((1.3, 1.0),) * 2,
+            projection_pairs=((1.05, 1.0),) * 8 + ((1.25, 1.0),) * 2,
+            placement_pairs=((1.01, 1.0),) * 10,
         ),
         figures(0.5, "open"),
         figures(2.0, "predictive", in_budget=20),
         figures(2.0, "open"),
     ]
     checks = {check.name: check for check in evaluate(runs, Bar(), memory_added_bytes=50_000_000)}
-    good = checks["goodput / bound (requests) at 0.5x"]
+    good = checks["goodput / bound (engine work) at 0.5x"]
     assert good.passed is True and good.measured == "90.5 %" and good.open_mode == "90.5 %"
+    assert good.note == "requests 90.5 %"  # beside it, not checked
+    assert not any("(requests)" in name for name in checks)
     assert checks["false refusals at 0.5x (share of offered)"].passed is True  # 0.5 %
     assert checks["admitted in budget at 2x"].passed is True
     assert "admitted in budget at 0.5x" not in checks
-    assert checks["TTFT prediction, median abs error"].passed is True
-    assert checks["TTFT prediction, p90 abs error"].passed is False  # 30 % at the 90th
-    assert checks["TTFT prediction, p90 abs error"].open_mode == "n/a"
+    # The projection at arrival is scored; the prediction at placement is beside it.
+    median = checks["TTFT projection at arrival, median abs error"]
+    assert (median.passed, median.measured, median.note) == (True, "5.0 %", "at placement 1.0 %")
+    p90 = checks["TTFT projection at arrival, p90 abs error"]
+    assert (p90.passed, p90.measured, p90.target) == (True, "25.0 %", "<= 30.0 %")
     assert checks["memory, 1024 retained / 256 queued"].verdict == "PASS"
+    # 1x and 3x were not run: their targets are not run, and so is the whole bar.
+    assert checks["goodput / bound (engine work) at 1x"].verdict == "NOT RUN"
+    assert checks["admitted in budget at 3x"].verdict == "NOT RUN"
+    assert overall_verdict(check.passed for check in checks.values()) == "INCOMPLETE"
 
 
-def test_a_missing_figure_is_skipped_not_passed() -> None:
+def test_an_easy_placement_prediction_does_not_pass_a_poor_projection() -> None:
+    run = figures(
+        1.0,
+        "predictive",
+        projection_pairs=((1.2, 1.0),) * 10,  # 20 % off at arrival
+        placement_pairs=((1.0, 1.0),) * 10,  # exact after the queue wait
+    )
+    checks = {check.name: check for check in evaluate([run], Bar())}
+    median = checks["TTFT projection at arrival, median abs error"]
+    assert median.verdict == "FAIL" and median.note == "at placement 0.0 %"
+
+
+def test_a_missing_figure_is_not_run_never_passed() -> None:
     runs = [figures(0.5, "predictive", false_refusals=None, admitted=0)]
     checks = {check.name: check for check in evaluate(runs, Bar())}
-    assert checks["false refusals at 0.5x (share of offered)"].verdict == "SKIP"
-    assert checks["TTFT prediction, median abs error"].verdict == "SKIP"
+    assert checks["false refusals at 0.5x (share of offered)"].verdict == "NOT RUN"
+    assert checks["TTFT projection at arrival, median abs error"].verdict == "NOT RUN"
+    memory = checks["memory, 1024 retained / 256 queued"]  # not measured
+    assert (memory.verdict, memory.measured) == ("NOT RUN", "n/a")
+    assert Check("x", None, "n/a", "-").as_json()["verdict"] == "NOT RUN"
+    # Without a memory target (the real-time confirmation), there is no such check.
+    assert not any("memory" in c.name for c in evaluate(runs, Bar(memory_bytes=None)))
+
+
+def test_overall_verdict_passes_only_when_every_target_was_checked_and_passed() -> None:
+    assert overall_verdict([True, True]) == "PASS"
+    assert overall_verdict([True, None]) == "INCOMPLETE"
+    assert overall_verdict([None, False, True]) == "FAIL"
+    assert overall_verdict([]) == "INCOMPLETE"
+
+
+def test_goodput_above_the_bound_fails_in_every_mode() -> None:
+    outcomes = [served(i, i / 10, 0.5) for i in range(101)]  # 10 req/s offered, all good
+    capacity = Capacity(rps=4.0, engine_s_per_s=0.2)  # a capacity measured too low
+    runs = [
+        replay_figures(
+            outcomes,
+            load=2.5,
+            mode=mode,
+            budget_s=2.0,
+            offered_rps=10.0,
+            capacity=capacity,
+            profile=PROFILE,
+            warmup_fraction=0.0,
+        )
+        for mode in ("predictive", "open")
+    ]
+    checks = {check.name: check for check in evaluate(runs, Bar(goodput_loads=()))}
+    for mode in ("predictive", "open"):
+        bound_check = checks[f"goodput within the bound (engine work) at 2.5x {mode}"]
+        assert bound_check.verdict == "FAIL" and bound_check.measured == "555.5 %"
+    # Goodput at the bound passes; a tolerance, when given, is what it says.
+    at_bound = attrs.evolve(runs[0], goodput_engine=0.2)
+    checks = {c.name: c for c in evaluate([at_bound], Bar(goodput_loads=(), bound_excess=0.01))}
+    assert checks["goodput within the bound (engine work) at 2.5x predictive"].passed is True
+
+
+def test_requests_that_cannot_meet_the_budget_on_an_idle_engine_leave_the_bound() -> None:
+    # 21 arrivals, one a second; 5 of them take 3 s alone on an idle engine: unattainable.
+    outcomes = [
+        attrs.evolve(served(i, float(i), 0.5), idle_ttft_s=3.0 if i % 4 == 0 and i < 20 else 0.1)
+        for i in range(21)
+    ]
+    assert not outcomes[0].attainable(2.0) and outcomes[1].attainable(2.0)
+    assert served(0, 0.0, 0.5).attainable(2.0)  # not known: attainable
+    figures = replay_figures(
+        outcomes,
+        load=0.25,
+        mode="open",
+        budget_s=2.0,
+        offered_rps=1.0,
+        capacity=Capacity(rps=4.0, engine_s_per_s=1.0),
+        profile=PROFILE,
+        warmup_fraction=0.0,
+    )
+    assert figures.unattainable == 5
+    assert figures.bound_rps == pytest.approx(16 / 20)
+    assert figures.bound_engine == pytest.approx(16 * 0.110 / 20)
+    assert figures.as_json()["unattainable"] == 5
+
+
+def test_prediction_pooled_at_arrival_and_at_placement() -> None:
+    runs = [
+        figures(1.0, "predictive", projection_pairs=((1.1, 1.0),), placement_pairs=((1.0, 1.0),)),
+        figures(2.0, "predictive", projection_pairs=((0.7, 1.0),), placement_pairs=((1.0, 1.0),)),
+    ]
+    pooled = Prediction.pooled(runs)
+    assert pooled.arrival.count == 2 and pooled.arrival.median_abs == pytest.approx(0.2)
+    assert pooled.placement.median_abs == 0.0
+    assert pooled.as_json()["arrival"]["count"] == 2
+
+
+def report(runs: list[ReplayFigures], checks: list[Check]) -> AdmissionReport:
+    return AdmissionReport(
+        settings={"engines": 2, "profile": "test", "budget_s": 2.0, "seed": 0, "jobs": 1},
+        environment={"cpu_cores": 2},
+        trace={"name": "conv", "requests": 21, "span_s": 20.0, "mean_rate": 1.0},
+        capacity=Capacity(rps=4.0, engine_s_per_s=1.0, warmup_s=3.0, completed_rps=4.1, mix=1.0),
+        runs=tuple(runs),
+        memory=None,
+        checks=tuple(checks),
+        wall_s={"total": 1.0},
+    )
+
+
+def test_report_verdict_is_incomplete_while_a_target_is_unchecked() -> None:
+    runs = [figures(1.0, "predictive"), figures(1.0, "open")]
+    incomplete = report(runs, evaluate(runs, Bar()))
+    assert incomplete.verdict == "INCOMPLETE" and not incomplete.passed
+    text = incomplete.render()
+    assert "verdict: INCOMPLETE (" in text and " not run of " in text
+    assert "NOT RUN" in text and "mix 1.00 of the trace's mean engine time" in text
+    data = incomplete.as_json()
+    assert data["verdict"] == "INCOMPLETE" and data["passed"] is False
+    assert "goodput / bound (engine work) at 0.5x" in data["not_run"]
+    assert data["prediction_error"]["arrival"]["count"] == 0
+    bar = Bar(goodput_loads=(1.0,), in_budget_loads=(), false_refusal_loads=(), memory_bytes=None)
+    bar = attrs.evolve(bar, prediction_median=1.0, prediction_p90=1.0)
+    ran = [attrs.evolve(run, projection_pairs=((1.0, 1.0),)) for run in runs]
+    complete = report(ran, evaluate(ran, bar))
+    assert complete.verdict == "PASS" and complete.passed
+    assert complete.render().endswith("verdict: PASS")
+    failing = report(runs, [Check("x", False, "1", "2"), Check("y", None, "n/a", "2")])
+    assert failing.render().endswith("verdict: FAIL (1 failed, 1 not run of 2)")
 
 
 def test_rendering_shows_every_run_and_verdict() -> None:
     runs = [figures(1.0, "predictive"), figures(1.0, "open")]
     lines = render_runs(runs)
     assert len(lines) == 3 and "predictive" in lines[1] and "open" in lines[2]
+    assert "arrival" in lines[0] and "place" in lines[0] and "unatt" in lines[0]
     verdicts = render_checks(evaluate(runs, Bar()))
     assert verdicts[0].startswith("check")
-    assert any(line.endswith("PASS") for line in verdicts)
+    assert any(" PASS " in line for line in verdicts)
+    assert any(" NOT RUN " in line for line in verdicts)

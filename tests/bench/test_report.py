@@ -6,6 +6,7 @@ import os
 import tomllib
 from pathlib import Path
 
+import attrs
 import orjson
 import pytest
 
@@ -114,7 +115,7 @@ def test_ratio_is_undefined_for_a_non_positive_denominator() -> None:
     assert Added(None, None, None, None).as_json()["ttft_p50_s"] is None
 
 
-def test_checks_pass_fail_and_skip() -> None:
+def test_checks_pass_fail_and_not_run() -> None:
     ttft, errors = evaluate_checks([level(1), level(64)])
     assert (ttft.status, errors.status) == ("PASS", "PASS")
     assert ttft.detail == "measured 1.50 ms"
@@ -124,7 +125,24 @@ def test_checks_pass_fail_and_skip() -> None:
     assert "3 errors in 6 requests (http_503:x x3)" in errors.detail
 
     ttft, errors = evaluate_checks([level(16)])
-    assert (ttft.status, errors.status) == ("SKIP", "SKIP")
+    assert (ttft.status, errors.status) == ("NOT RUN", "NOT RUN")
+
+
+def test_a_check_not_run_is_not_a_pass() -> None:
+    levels = (level(1),)  # c=64 did not run
+    report = OverheadReport(
+        settings={"output_tokens": 64},
+        environment={"cpu_cores": 2},
+        levels=levels,
+        checks=evaluate_checks(levels),
+    )
+    assert report.verdict == "INCOMPLETE" and not report.passed
+    assert report.render().endswith("verdict: INCOMPLETE")
+    assert "NOT RUN  narwhal zero errors at c=64" in report.render()
+    assert report.as_json()["verdict"] == "INCOMPLETE"
+    ran = (level(1), level(64))
+    complete = attrs.evolve(report, levels=ran, checks=evaluate_checks(ran))
+    assert complete.verdict == "PASS" and complete.passed
 
 
 def test_report_renders_a_table_and_json() -> None:
@@ -145,7 +163,7 @@ def test_report_renders_a_table_and_json() -> None:
     assert "FAIL  narwhal zero errors at c=64" in text
     assert "  narwhal errors: http_503:x x1" in text
     data = orjson.loads(orjson.dumps(report.as_json()))
-    assert data["passed"] is False
+    assert data["passed"] is False and data["verdict"] == "FAIL"
     first = data["levels"][0]
     assert first["targets"]["narwhal"]["cpu_s_per_1k_requests"] == pytest.approx(300.0)
     assert first["added_over_direct"]["narwhal"]["ttft_p50_s"] == pytest.approx(0.0015)
