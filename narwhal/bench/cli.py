@@ -413,8 +413,9 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         "--capacity-window-s",
         type=_positive_float,
         metavar="S",
-        help="virtual seconds of the capacity loop measured (default 90; --quick 30), after "
-        "a warm-up of a third as long",
+        help="least virtual seconds of the capacity loop measured (default 90; --quick 30), "
+        "after a warm-up of at least a third as long; the warm-up also lasts until the loop's "
+        "first wave has ended, the window until a pass over the trace has completed",
     )
     parser.add_argument(
         "--false-refusal-samples",
