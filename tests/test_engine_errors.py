@@ -107,7 +107,7 @@ class Scripted(httpx.AsyncBaseTransport):
         if request.method != "POST":
             return await self.inner.handle_async_request(request)
         self.posts += 1
-        tokens = len(prompt_text(json.loads(request.content))) // self.chars_per_token
+        tokens = len(prompt_text(json.loads(await request.aread()))) // self.chars_per_token
         if self.context is not None and tokens > self.context:
             self.refused += 1
             return httpx.Response(400, json=too_long(self.context, tokens))

@@ -114,7 +114,13 @@ class SimTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Answer ``request`` from the engine's plan; the body streams in Trio time."""
         self._received += 1
-        raw = await request.aread()
+        # Read from the stream, not with ``aread``: that would keep the body on the request,
+        # which its response holds for as long as the stream runs (the prompt of every running
+        # request, counted as the router's memory by the admission benchmark).
+        body = request.stream
+        if not isinstance(body, httpx.AsyncByteStream):
+            raise TypeError("SimTransport serves async request bodies only")
+        raw = b"".join([part async for part in body])
         path = request.url.path
         plan = self.engine.respond(
             request.method, path, raw, created=int(time.time()), headers=request.headers

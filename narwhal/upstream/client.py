@@ -28,7 +28,7 @@ from narwhal.errors import (
 from narwhal.protocol.chunks import ChunkFacts, inspect_chunk
 from narwhal.protocol.sse import DONE, SSEDecoder
 from narwhal.scheduling.health import FailureKind
-from narwhal.upstream.transport import EngineTransport
+from narwhal.upstream.transport import EngineTransport, OneShotBody
 
 __all__ = [
     "MAX_EVENT_BYTES",
@@ -168,8 +168,12 @@ class EngineClient:
         request = self.http.build_request(
             "POST",
             _PATHS[route],
-            content=body,
-            headers={"content-type": "application/json", "accept": "text/event-stream"}
+            content=OneShotBody(body),  # the prompt is not kept for the stream's whole life
+            headers={
+                "content-type": "application/json",
+                "accept": "text/event-stream",
+                "content-length": str(len(body)),
+            }
             | dict(headers or {}),
         )
         request_id = (headers or {}).get("x-request-id", "-")
@@ -212,8 +216,12 @@ class EngineClient:
         request = self.http.build_request(
             "POST",
             _PATHS[route],
-            content=body,
-            headers={"content-type": "application/json", "accept": "application/json"}
+            content=OneShotBody(body),
+            headers={
+                "content-type": "application/json",
+                "accept": "application/json",
+                "content-length": str(len(body)),
+            }
             | dict(headers or {}),
         )
         request_id = (headers or {}).get("x-request-id", "-")

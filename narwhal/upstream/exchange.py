@@ -338,24 +338,37 @@ async def _attempt(
 ) -> Exchange:
     """One try on ``slot``'s engine; on success the open stream's close joins ``held``."""
     engine = slot.engine
-    plan = plan_upstream(request, token_ids=engine.provides_token_ids)
     # The engine's circuit opening cancels this scope: the attempt fails at once, to be
     # retried on another engine, instead of waiting out the read timeout.
     with trio.CancelScope() as unresponsive:
         engine.attempts.add(unresponsive)
         try:
             async with AsyncExitStack() as attempt:
-                stream = await open_stream(
-                    engine, request.route, plan.body, ids_required=plan.token_ids, headers=headers
-                )
+                stream, exposure = await _open(engine, request, headers)
                 attempt.push_async_callback(_close_stream, stream)
-                exchange = Exchange(request, engine, stream, plan.exposure, slot, measurements)
+                exchange = Exchange(request, engine, stream, exposure, slot, measurements)
                 await exchange.read_until_headers()
                 held.push_async_exit(attempt.pop_all())
                 return exchange
         finally:
             engine.attempts.discard(unresponsive)
     raise EngineError(f"engine {engine.name} stopped answering (its circuit opened)")
+
+
+async def _open(
+    engine: Engine, request: CompletionRequest, headers: Mapping[str, str] | None
+) -> tuple[UpstreamStream, Exposure]:
+    """Send ``request`` to ``engine``: its open stream, and what to hide from the client.
+
+    The engine's request body lives in this frame only: once the stream is open, nothing of
+    the router holds it (:class:`~narwhal.upstream.transport.OneShotBody`), so a running
+    stream does not keep its prompt in memory for its whole decode.
+    """
+    plan = plan_upstream(request, token_ids=engine.provides_token_ids)
+    stream = await open_stream(
+        engine, request.route, plan.body, ids_required=plan.token_ids, headers=headers
+    )
+    return stream, plan.exposure
 
 
 async def _close_stream(stream: UpstreamStream) -> None:

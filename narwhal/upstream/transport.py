@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import AsyncIterator
 
 import h11
 import httpx
 import trio
 
-__all__ = ["ChunkedDecoder", "EngineTransport"]
+__all__ = ["ChunkedDecoder", "EngineTransport", "OneShotBody"]
 
 _MAX_HEAD_BYTES = 65536  # a response head (or a chunked body's trailers) longer is an error
 _MAX_CHUNK_LINE = 1024  # a chunk's size line, extensions included
@@ -123,7 +124,12 @@ class EngineTransport(httpx.AsyncBaseTransport):
                 f"EngineTransport serves http:// only, not {request.url.scheme}://",
                 request=request,
             )
-        payload = _request_bytes(request, await request.aread())
+        # Read the body from its stream, not with ``aread``, which would keep a copy on the
+        # request: with a :class:`OneShotBody` nothing holds the bytes once they are sent.
+        stream = request.stream
+        if not isinstance(stream, httpx.AsyncByteStream):
+            raise TypeError("EngineTransport sends async request bodies only")
+        payload = _request_bytes(request, b"".join([part async for part in stream]))
         with trio.move_on_after(self._pool_s) as waiting:
             await self._slots.acquire()
         if waiting.cancelled_caught:
@@ -231,6 +237,25 @@ def _stand_in(method: str) -> h11.Request:
         request = h11.Request(method=method, target="/", headers=[("Host", "engine")])
         _STAND_INS[method] = request
     return request
+
+
+class OneShotBody(httpx.AsyncByteStream):
+    """A request body that is let go once it has been sent.
+
+    httpx keeps a request's body for as long as its response lives, and a response is a
+    stream that lives as long as the engine answers: the bytes of every running request's
+    prompt would stay in memory for its whole decode. This stream gives its bytes once and
+    drops them (a second read gets nothing: no request here is sent twice).
+    """
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        body, self._body = self._body, b""
+        yield body
 
 
 def _request_bytes(request: httpx.Request, body: bytes) -> bytes:

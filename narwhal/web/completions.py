@@ -150,6 +150,7 @@ async def _serve(
             )
         deadline = arrival + parse_deadline_headers(client.headers, serving.request_deadline_s)
         parsed = parse_request(raw, route, serving.model)
+        del raw  # the parsed request is what is kept: the bytes would double every prompt held
         with trio.move_on_at(deadline) as timer:
             await _watched(router, client, live, ticket, parsed, arrival)
         if timer.cancelled_caught and ticket.finished is None:
