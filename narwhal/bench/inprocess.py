@@ -208,6 +208,16 @@ class _Body(httpx.AsyncByteStream):
             await self.on_close()
 
 
+def _body_messages(body: bytes) -> list[dict[str, Any]]:
+    """``body`` as the ASGI ``http.request`` messages an app receives, in pieces."""
+    pieces = [body[i : i + _BODY_PIECE] for i in range(0, len(body), _BODY_PIECE)] or [b""]
+    last = len(pieces) - 1
+    return [
+        {"type": "http.request", "body": piece, "more_body": index < last}
+        for index, piece in enumerate(pieces)
+    ]
+
+
 class ASGIStreamTransport(httpx.AsyncBaseTransport):
     """An httpx transport serving requests from an ASGI app, streaming, in ``nursery``.
 
@@ -222,7 +232,12 @@ class ASGIStreamTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Serve ``request`` from the app."""
-        body = await request.aread()
+        # From the stream, not ``aread``: that would keep the body on the request for as long
+        # as its response lives, and count the client's prompt as the router's memory.
+        request_body = request.stream
+        if not isinstance(request_body, httpx.AsyncByteStream):
+            raise TypeError("ASGIStreamTransport sends async request bodies only")
+        body = b"".join([part async for part in request_body])
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -238,17 +253,16 @@ class ASGIStreamTransport(httpx.AsyncBaseTransport):
             "server": ("127.0.0.1", 80),
             "extensions": {},
         }
-        pieces = [body[i : i + _BODY_PIECE] for i in range(0, len(body), _BODY_PIECE)] or [b""]
-        to_app, from_client = trio.open_memory_channel[dict[str, Any]](len(pieces))
+        messages = _body_messages(body)
+        del body  # the channel holds the messages until the app has read them
+        to_app, from_client = trio.open_memory_channel[dict[str, Any]](len(messages))
         chunks_in, chunks_out = trio.open_memory_channel[bytes](64)
         started: dict[str, Any] = {}
         headers_ready = trio.Event()
         done = trio.Event()
         disconnected = trio.Event()
-        for index, piece in enumerate(pieces):
-            to_app.send_nowait(
-                {"type": "http.request", "body": piece, "more_body": index < len(pieces) - 1}
-            )
+        while messages:
+            to_app.send_nowait(messages.pop(0))
         to_app.close()
 
         async def receive() -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import gc
 import os
 import random
@@ -48,6 +49,7 @@ from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncat
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig, UpstreamConfig
 from narwhal.scheduling.profiles import get_profile
 from narwhal.sim.calibration import ALIASES
+from narwhal.upstream.transport import OneShotBody
 
 __all__ = [
     "CapacityJob",
@@ -282,8 +284,13 @@ async def _send(
             router_ttft_s=probe.router_ttft_s,
         )
 
+    # Sent once and let go: a client waiting for its answer holds no prompt, so the memory
+    # measurement sees the router's share, not the load generator's.
+    content = OneShotBody(body)
+    headers = {**_HEADERS, "content-length": str(len(body))}
+    del body
     try:
-        async with fleet.client.stream("POST", _PATH, content=body, headers=_HEADERS) as response:
+        async with fleet.client.stream("POST", _PATH, content=content, headers=headers) as response:
             status = response.status_code
             if status != 200:
                 code = _error_code(await response.aread())
@@ -628,8 +635,20 @@ def measure_memory(job: MemoryJob) -> MemoryResult:
 
 
 def _rss() -> int:
+    """This process's resident memory, of live objects: what the collector and the C heap
+    have freed is given back to the system first (glibc keeps freed heap pages otherwise, and
+    the bodies already read and let go would count)."""
     gc.collect()
+    _trim_heap()
     return procstat.memory(os.getpid()).rss_bytes
+
+
+def _trim_heap() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return
+    libc.malloc_trim(0)
 
 
 async def _memory(job: MemoryJob) -> MemoryResult:
