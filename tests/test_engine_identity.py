@@ -432,30 +432,42 @@ def test_a_key_gone_from_the_environment_stops_the_start(monkeypatch: pytest.Mon
 # -- the token-ID probe ---------------------------------------------------------------------------
 
 
-class HeldBackProbe(StandIn):
-    """Answers the token probe the way vLLM 0.32 does when the sampled tokens are parts of one
-    character: chunks with IDs and no text yet (``reference/vllm-0.32-cpu-captures``)."""
+class ProbeAnswer(StandIn):
+    """Answers the token probe with ``events`` (an SSE body); everything else as the simulator."""
+
+    def __init__(self, name: str, events: list[dict[str, Any]], **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        frames = b"".join(b"data: " + orjson.dumps(event) + b"\n\n" for event in events)
+        self.answer = frames + b"data: [DONE]\n\n"
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/completions":
             content = await request.aread()
             if orjson.loads(content).get("prompt") == "Narwhal token probe":
                 self.seen.append((request.method, request.url.path, request.headers))
-                chunks = [
-                    {"index": 0, "text": "", "token_ids": [161], "finish_reason": None},
-                    {"index": 0, "text": "", "token_ids": [162], "finish_reason": "length"},
-                ]
-                frames = [{"object": "text_completion", "choices": [chunk]} for chunk in chunks]
-                events = b"".join(b"data: " + orjson.dumps(f) + b"\n\n" for f in frames)
                 return httpx.Response(
                     200,
-                    stream=httpx.ByteStream(events + b"data: [DONE]\n\n"),
+                    stream=httpx.ByteStream(self.answer),
                     headers={"content-type": "text/event-stream"},
                 )
             request = httpx.Request(
                 request.method, request.url, headers=request.headers, content=content
             )
         return await super().handle_async_request(request)
+
+
+# vLLM 0.32's answer when the sampled tokens are parts of one character: chunks with IDs and no
+# text yet (reference/vllm-0.32-cpu-captures).
+HELD_BACK = [
+    {"object": "text_completion", "choices": [{"index": 0, "text": "", "token_ids": [161]}]},
+    {
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": "", "token_ids": [162], "finish_reason": "length"}],
+    },
+]
+# vLLM's refusal of a parameter it checks once streaming: an HTTP 200 whose only event is an
+# error frame with a 4xx code.
+REFUSED = [{"error": {"message": "no IDs here", "type": "BadRequestError", "code": 400}}]
 
 
 async def test_ids_without_text_still_show_the_engine_provides_them(
@@ -463,35 +475,14 @@ async def test_ids_without_text_still_show_the_engine_provides_them(
 ) -> None:
     """The probe once read only output events: two held-back tokens made a real vLLM
     ``token_accounting: unavailable``, and every ``return_token_ids`` request a 400."""
-    front = await start_front({engine("vllm-a"): HeldBackProbe("vllm-a", card=VLLM_CARD)})
+    front = await start_front({engine("vllm-a"): ProbeAnswer("vllm-a", HELD_BACK, card=VLLM_CARD)})
     assert front.router.pool.engines[0].token_accounting == "token_ids"
-
-
-class RefusingProbe(StandIn):
-    """Refuses the token probe the way vLLM refuses a parameter it checks once streaming: an
-    HTTP 200 whose only event is an error frame with a 4xx code."""
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/completions":
-            content = await request.aread()
-            if orjson.loads(content).get("prompt") == "Narwhal token probe":
-                error = {"message": "no IDs here", "type": "BadRequestError", "code": 400}
-                frames = b"data: " + orjson.dumps({"error": error}) + b"\n\ndata: [DONE]\n\n"
-                return httpx.Response(
-                    200,
-                    stream=httpx.ByteStream(frames),
-                    headers={"content-type": "text/event-stream"},
-                )
-            request = httpx.Request(
-                request.method, request.url, headers=request.headers, content=content
-            )
-        return await super().handle_async_request(request)
 
 
 async def test_an_in_band_refusal_of_the_probe_joins_without_token_accounting(
     start_front: StartFront, autojump_clock: trio.testing.MockClock
 ) -> None:
     """As an HTTP 4xx does: the engine joins, ``token_accounting: unavailable``."""
-    front = await start_front({engine("vllm-a"): RefusingProbe("vllm-a", card=VLLM_CARD)})
+    front = await start_front({engine("vllm-a"): ProbeAnswer("vllm-a", REFUSED, card=VLLM_CARD)})
     assert front.router.pool.engines[0].token_accounting == "unavailable"
     assert front.router.pool.engines[0].eligible
