@@ -42,6 +42,7 @@ from narwhal.sim.engine import SimEngine, SimPlan
 from narwhal.sim.timing import StepTiming, TimingModel
 from narwhal.sim.timing import profile as timing_profile
 from narwhal.sim.transport import SimTransport
+from narwhal.upstream.transport import read_once
 from narwhal.web.app import create_app, get_router
 
 __all__ = [
@@ -232,12 +233,8 @@ class ASGIStreamTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Serve ``request`` from the app."""
-        # From the stream, not ``aread``: that would keep the body on the request for as long
-        # as its response lives, and count the client's prompt as the router's memory.
-        request_body = request.stream
-        if not isinstance(request_body, httpx.AsyncByteStream):
-            raise TypeError("ASGIStreamTransport sends async request bodies only")
-        body = b"".join([part async for part in request_body])
+        # Not kept on the request: the client's prompt would count as the router's memory.
+        body = await read_once(request)
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},

@@ -44,7 +44,7 @@ import h11
 import httpx
 import trio
 
-__all__ = ["ChunkedDecoder", "EngineTransport", "OneShotBody"]
+__all__ = ["ChunkedDecoder", "EngineTransport", "OneShotBody", "read_once"]
 
 _MAX_HEAD_BYTES = 65536  # a response head (or a chunked body's trailers) longer is an error
 _MAX_CHUNK_LINE = 1024  # a chunk's size line, extensions included
@@ -124,12 +124,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
                 f"EngineTransport serves http:// only, not {request.url.scheme}://",
                 request=request,
             )
-        # Read the body from its stream, not with ``aread``, which would keep a copy on the
-        # request: with a :class:`OneShotBody` nothing holds the bytes once they are sent.
-        stream = request.stream
-        if not isinstance(stream, httpx.AsyncByteStream):
-            raise TypeError("EngineTransport sends async request bodies only")
-        payload = _request_bytes(request, b"".join([part async for part in stream]))
+        payload = _request_bytes(request, await read_once(request))
         with trio.move_on_after(self._pool_s) as waiting:
             await self._slots.acquire()
         if waiting.cancelled_caught:
@@ -256,6 +251,18 @@ class OneShotBody(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         body, self._body = self._body, b""
         yield body
+
+
+async def read_once(request: httpx.Request) -> bytes:
+    """``request``'s body, read from its stream and not kept on the request.
+
+    ``request.aread()`` would keep a copy on the request, which its response holds for as long
+    as the stream runs; with a :class:`OneShotBody` nothing holds the bytes once they are sent.
+    """
+    stream = request.stream
+    if not isinstance(stream, httpx.AsyncByteStream):
+        raise TypeError("only async request bodies are sent here")
+    return b"".join([part async for part in stream])
 
 
 def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
