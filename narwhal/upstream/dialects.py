@@ -178,22 +178,30 @@ _VLLM_USAGE: Final = (
     ("completion_tokens_details", None),
 )
 
+# The top-level fields both responses open and close with.
+_VLLM_TOP_HEAD: Final = (
+    ("id", OPTIONAL),
+    ("object", OPTIONAL),
+    ("created", OPTIONAL),
+    ("model", OPTIONAL),
+    ("choices", OPTIONAL),
+    ("service_tier", None),
+    ("system_fingerprint", None),
+    ("usage", OPTIONAL),
+)
+_VLLM_TOP_TAIL: Final = (
+    ("kv_transfer_params", None),
+    ("ec_transfer_params", None),
+    ("metrics", None),
+)
+
 VLLM_CHAT: Final = ResponseShape(
     top=(
-        ("id", OPTIONAL),
-        ("object", OPTIONAL),
-        ("created", OPTIONAL),
-        ("model", OPTIONAL),
-        ("choices", OPTIONAL),
-        ("service_tier", None),
-        ("system_fingerprint", None),
-        ("usage", OPTIONAL),
+        *_VLLM_TOP_HEAD,
         ("prompt_logprobs", None),
         ("prompt_token_ids", None),
         ("prompt_text", None),
-        ("kv_transfer_params", None),
-        ("ec_transfer_params", None),
-        ("metrics", None),
+        *_VLLM_TOP_TAIL,
     ),
     choice=(
         ("index", OPTIONAL),
@@ -229,19 +237,7 @@ VLLM_CHAT_FORCED_TOOL: Final = attrs.evolve(VLLM_CHAT, empty_content_beside="")
 with ``content or ""``, so the content is ``""`` beside the tool calls."""
 
 VLLM_COMPLETIONS: Final = ResponseShape(
-    top=(
-        ("id", OPTIONAL),
-        ("object", OPTIONAL),
-        ("created", OPTIONAL),
-        ("model", OPTIONAL),
-        ("choices", OPTIONAL),
-        ("service_tier", None),
-        ("system_fingerprint", None),
-        ("usage", OPTIONAL),
-        ("kv_transfer_params", None),
-        ("ec_transfer_params", None),
-        ("metrics", None),
-    ),
+    top=(*_VLLM_TOP_HEAD, *_VLLM_TOP_TAIL),
     choice=(
         ("index", OPTIONAL),
         ("text", OPTIONAL),
