@@ -16,7 +16,7 @@ stream, vLLM has already answered 200 and sends them in band (:attr:`SimFailure.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
 import attrs
@@ -572,8 +572,13 @@ def parse_request(
     default_directives: Mapping[str, Any] | None = None,
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     reasoning_parser: bool = False,
+    admit: Callable[[], None] | None = None,
 ) -> SimRequest:
     """Read a completion request the way the chosen engine would, in vLLM's stages.
+
+    ``admit`` is called once the model is known and before tokenization, where vLLM's API
+    server checks its queue limits (``_preflight``); it raises the refusal as a
+    :class:`SimFailure`.
 
     Raises:
         SimFailure: the engine's error answer (400 for bad fields, 404 for another model; see
@@ -648,11 +653,13 @@ def parse_request(
     forced, names = _tool_choice(body, names) if route == "chat" else (None, names)
     stop = _stop(body)
 
-    # 2. The model.
+    # 2. The model, then the queue limits (vLLM: `_check_model`, then `_preflight`).
     requested_model = body.get("model")
     if requested_model is not None and requested_model != model:
         message = f"The model `{requested_model}` does not exist. Valid aliases: {model}."
         raise SimFailure(404, message, "NotFoundError", "model")
+    if admit is not None:
+        admit()
 
     # 3. Tokenization: the output cap and the prompt against the context.
     request = SimRequest(

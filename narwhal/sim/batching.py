@@ -164,6 +164,9 @@ class BatcherStatistics:
         kv_tokens: KV reserved by the running sequences.
         kv_capacity_tokens: the KV capacity.
         steps: steps completed.
+        prefill_tokens: the whole prompts of the requests whose first token has not come yet
+            (waiting, or running and still prefilling, however far): what vLLM's
+            ``--max-num-queued-tokens`` counts.
     """
 
     running: int
@@ -172,6 +175,7 @@ class BatcherStatistics:
     kv_tokens: int
     kv_capacity_tokens: int
     steps: int
+    prefill_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -199,6 +203,7 @@ class Batcher:
     _waiting: deque[BatchSeq] = attrs.field(init=False, factory=deque)
     _running: list[BatchSeq] = attrs.field(init=False, factory=list)
     _kv_tokens: int = attrs.field(init=False, default=0)
+    _prefill_tokens: int = attrs.field(init=False, default=0)
     _steps: int = attrs.field(init=False, default=0)
     _next_id: int = attrs.field(init=False, default=0)
 
@@ -207,7 +212,14 @@ class Batcher:
         seq = BatchSeq(self._next_id, max(0, prompt_tokens), max(0, output_tokens))
         self._next_id += 1
         self._waiting.append(seq)
+        self._prefill_tokens += seq.prompt_tokens
         return seq
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The whole prompts of the requests still before their first token (waiting or
+        prefilling), as :attr:`BatcherStatistics.prefill_tokens`."""
+        return self._prefill_tokens
 
     def abort(self, seq: BatchSeq) -> None:
         """Take ``seq`` out (its reader went away); its KV is free at once. Idempotent."""
@@ -218,6 +230,8 @@ class Batcher:
             self._kv_tokens -= seq.kv_tokens
         else:
             return
+        if seq.emitted == 0:
+            self._prefill_tokens -= seq.prompt_tokens
         seq.state = "aborted"
 
     def clear(self) -> None:
@@ -227,6 +241,7 @@ class Batcher:
         self._waiting.clear()
         self._running.clear()
         self._kv_tokens = 0
+        self._prefill_tokens = 0
 
     def next_step(self) -> BatchStep | None:
         """Plan the next step, admitting waiting requests; None when there is nothing to do."""
@@ -284,6 +299,7 @@ class Batcher:
                 seq.prefilled = chunk.end
                 if seq.prefilled == seq.prompt_tokens:
                     seq.emitted = 1
+                    self._prefill_tokens -= seq.prompt_tokens
                     advanced.append(seq)
         finished = False
         for seq in advanced:
@@ -304,6 +320,7 @@ class Batcher:
             kv_tokens=self._kv_tokens,
             kv_capacity_tokens=self.kv_capacity_tokens,
             steps=self._steps,
+            prefill_tokens=self._prefill_tokens,
         )
 
     @property

@@ -64,6 +64,20 @@ delta, then argument deltas with ``content: null``, and the finish ``tool_calls`
 ``required``, ``stop`` for a named function, as OpenAI; a name that is not among the ``tools``
 is vLLM's 400; ``auto`` answers in text).
 
+Engine-side admission (vLLM's ``--max-num-queued-tokens``, :attr:`SimEngine.max_num_queued_tokens`),
+as vLLM 0.32's ``AsyncLLM.check_admission`` does it: the API server counts the whole prompt of
+every request it holds that has not produced its first token yet (waiting, or prefilling however
+far: progress inside the prefill is not counted, nor prefix-cache hits), *not* counting the new
+request; when that count has reached the limit (``>=``), the request is refused with a 503 and
+vLLM's ``MaxQueuedTokensError`` body, ``{"error": {"message": "The engine has reached its prefill
+token backlog limit. Please try again later or on a different instance.", "type": "Service
+Unavailable", "param": null, "code": 503}}``, with no ``Retry-After``. The check comes after the
+model check (a wrong model is still a 404) and before tokenization (a too-long prompt is still a
+503 then); below the limit, a request of any size is admitted. Refusals count in
+``vllm:admission_rejections_total{reason="max_num_queued_tokens"}`` (``/metrics``) and in
+:attr:`SimEngineStatistics.rejected_queued_tokens`. A per-request-timed response counts until its
+first token's time on its own clock.
+
 Identity: ``created`` is the real time in the shells (the server and the in-process transport);
 :meth:`SimEngine.plan` called directly uses :data:`DEFAULT_CREATED` unless told.
 
@@ -197,6 +211,13 @@ _ANNOTATIONS = [
 ]
 _TOKEN_FAULTS = frozenset({"malformed_token_ids", "missing_token_ids", "negative_token_id"})
 _FIELD_FAULTS = frozenset({"unsupported_field", "annotations"})
+_QUEUED_TOKENS_FULL = SimFailure(
+    503,
+    "The engine has reached its prefill token backlog limit. Please try again later or on a "
+    "different instance.",
+    "Service Unavailable",
+    None,
+)
 _INTERNAL_ERROR = SimFailure(500, "Internal server error", "InternalServerError", None)
 _BUSY = SimFailure(
     503,
@@ -243,6 +264,7 @@ class SimPlan:
         completion: it answers a completion route (counted as a stream by the shells).
         prompt_tokens: the prompt's size (0 for errors and info routes).
         output_tokens: the tokens generated (0 for errors and info routes).
+        first_token_s: when the first token comes on the per-request clock (0 for errors).
     """
 
     status: int
@@ -256,6 +278,7 @@ class SimPlan:
     completion: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
+    first_token_s: float = 0.0
 
     @property
     def body(self) -> bytes:
@@ -403,6 +426,9 @@ class SimEngineStatistics:
         completed: streams the reader received to the end.
         closed_early: streams the reader closed before the end.
         dropped: streams whose connection the plan broke.
+        queued_prompt_tokens: what ``--max-num-queued-tokens`` counts: the whole prompts of the
+            requests before their first token (see the module doc).
+        rejected_queued_tokens: requests refused by :attr:`SimEngine.max_num_queued_tokens`.
     """
 
     requests: int
@@ -418,6 +444,8 @@ class SimEngineStatistics:
     completed: int
     closed_early: int
     dropped: int
+    queued_prompt_tokens: int = 0
+    rejected_queued_tokens: int = 0
 
 
 _PER_REQUEST_KV_CAPACITY = 262144
@@ -477,6 +505,11 @@ class SimEngine:
             ``Authorization: Bearer <key>`` and answers vLLM's 401 without it (None: open).
         reasoning_parser: as a vLLM started with ``--reasoning-parser`` (vLLM dialect): chat
             usage reports ``completion_tokens_details: {"reasoning_tokens": N}`` instead of null.
+        max_num_queued_tokens: as vLLM's ``--max-num-queued-tokens`` (since 0.29): once the
+            prompts of the requests before their first token add up to this many tokens, a new
+            completion request is refused with vLLM's 503 (the module doc has the rule and the
+            body; in any dialect, in that dialect's error shape). None: no limit. vLLM's
+            documentation suggests about target TTFT x prefill throughput.
     """
 
     model: str
@@ -494,6 +527,9 @@ class SimEngine:
     )
     api_key: str | None = None
     reasoning_parser: bool = False
+    max_num_queued_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(0))
+    )
     _directives: Mapping[str, Any] = attrs.field(init=False, factory=dict)
     _requests: int = attrs.field(init=False, default=0)
     _errors: int = attrs.field(init=False, default=0)
@@ -503,6 +539,10 @@ class SimEngine:
     _slowdown: float = attrs.field(init=False, default=1.0)
     _schedule: list[tuple[float, float]] = attrs.field(init=False, factory=list)
     _steps: StepLoop | None = attrs.field(init=False, default=None)
+    # Per-request-timed responses before their first token: key -> (Trio time of it, prompt).
+    _unprefilled: dict[int, tuple[float, int]] = attrs.field(init=False, factory=dict)
+    _stream_keys: int = attrs.field(init=False, default=0)
+    _rejected_queued_tokens: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.timing, StepTiming):
@@ -691,6 +731,7 @@ class SimEngine:
                 default_directives=self._directives,
                 max_model_len=self.max_model_len,
                 reasoning_parser=self.reasoning_parser,
+                admit=None if self.max_num_queued_tokens is None else self._admit,
             )
         except SimFailure as failure:
             if failure.in_band:
@@ -772,6 +813,18 @@ class SimEngine:
                 f"# TYPE {name} gauge",
                 f"{name}{labels} {value!r}",
             ]
+        # vLLM's frontend admission counter: labelled by model and reason, no engine label.
+        name = "vllm:admission_rejections_total"
+        lines += [
+            f"# HELP {name} Number of admission attempts rejected by a queue limit, by reason.",
+            f"# TYPE {name} counter",
+        ]
+        model = _label(self.model)
+        for reason, count in (
+            ("max_num_queued_reqs", 0),
+            ("max_num_queued_tokens", stats.rejected_queued_tokens),
+        ):
+            lines.append(f'{name}{{model_name="{model}",reason="{reason}"}} {float(count)!r}')
         return "\n".join(lines) + "\n"
 
     # --- the async part -----------------------------------------------------------------------
@@ -800,10 +853,20 @@ class SimEngine:
             tokens = plan.prompt_tokens + plan.output_tokens
             self._running += 1
             self._kv_tokens += tokens
+            key = self._stream_keys
+            self._stream_keys += 1
+            if plan.prompt_tokens and plan.status == 200:
+                try:
+                    first = trio.current_time() + plan.first_token_s * self._pace()
+                except RuntimeError:  # outside Trio: no clock to count it on
+                    pass
+                else:
+                    self._unprefilled[key] = (first, plan.prompt_tokens)
 
             def finished(state: StreamState) -> None:
                 self._running -= 1
                 self._kv_tokens -= tokens
+                self._unprefilled.pop(key, None)
                 self._outcomes[state] = self._outcomes.get(state, 0) + 1
 
             callbacks.append(finished)
@@ -836,7 +899,37 @@ class SimEngine:
             completed=self._outcomes.get("completed", 0),
             closed_early=self._outcomes.get("closed_early", 0),
             dropped=self._outcomes.get("dropped", 0),
+            queued_prompt_tokens=self.queued_prompt_tokens(),
+            rejected_queued_tokens=self._rejected_queued_tokens,
         )
+
+    def queued_prompt_tokens(self) -> int:
+        """What ``--max-num-queued-tokens`` counts now: the whole prompts of the requests that
+        have not produced their first token (the step loop's waiting and prefilling requests,
+        and the per-request-timed responses before their first token's time)."""
+        total = 0 if self._steps is None else self._steps.batcher.prefill_tokens
+        if self._unprefilled:
+            try:
+                now = trio.current_time()
+            except RuntimeError:  # outside Trio: no time has passed
+                now = -math.inf
+            for key, (first, tokens) in list(self._unprefilled.items()):
+                if first > now:
+                    total += tokens
+                else:
+                    del self._unprefilled[key]
+        return total
+
+    def _admit(self) -> None:
+        """vLLM's ``check_admission`` for ``max_num_queued_tokens`` (the module doc).
+
+        Raises:
+            SimFailure: vLLM's ``MaxQueuedTokensError`` 503.
+        """
+        limit = self.max_num_queued_tokens
+        if limit is not None and self.queued_prompt_tokens() >= limit:
+            self._rejected_queued_tokens += 1
+            raise _QUEUED_TOKENS_FULL
 
     def _pace(self) -> float:
         """The slowdown in force, applying the scheduled changes whose time has come."""
@@ -973,6 +1066,7 @@ class SimEngine:
             completion=True,
             prompt_tokens=answer.prompt_tokens,
             output_tokens=answer.output_tokens,
+            first_token_s=clock[1],
         )
 
     def _body_plan(self, answer: Answer, clock: list[float], batched: bool) -> SimPlan:
@@ -1009,6 +1103,7 @@ class SimEngine:
             completion=True,
             prompt_tokens=answer.prompt_tokens,
             output_tokens=answer.output_tokens,
+            first_token_s=clock[1],
         )
 
 

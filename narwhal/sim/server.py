@@ -208,6 +208,14 @@ def _parser() -> argparse.ArgumentParser:
         help="as a vLLM with a reasoning parser: chat usage counts the reasoning tokens",
     )
     parser.add_argument(
+        "--max-num-queued-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="as vLLM's: refuse new requests with a 503 while the prompts not yet prefilled "
+        "add up to N tokens (default: no limit)",
+    )
+    parser.add_argument(
         "--jitter",
         type=float,
         default=0.0,
@@ -226,6 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--jitter must be between 0 and 1, got {args.jitter:g}"
     if problem is None and args.max_model_len < 1:
         problem = f"--max-model-len must be at least 1, got {args.max_model_len}"
+    if (
+        problem is None
+        and args.max_num_queued_tokens is not None
+        and args.max_num_queued_tokens < 0
+    ):
+        problem = f"--max-num-queued-tokens must be at least 0, got {args.max_num_queued_tokens}"
     if problem is not None:
         print(f"narwhal sim: {problem}", file=sys.stderr)
         return 2
@@ -242,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         api_key=args.api_key,
         reasoning_parser=args.reasoning_parser,
+        max_num_queued_tokens=args.max_num_queued_tokens,
     )
 
     async def run() -> None:
