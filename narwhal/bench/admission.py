@@ -38,7 +38,6 @@ from narwhal.bench.goodput import (
     Capacity,
     FalseRefusals,
     ReplayFigures,
-    engine_seconds,
     evaluate,
     replay_figures,
 )
@@ -55,7 +54,6 @@ from narwhal.bench.replay import (
     run_replay,
 )
 from narwhal.bench.trace import mean_rate, span_s
-from narwhal.scheduling.profiles import get_profile
 
 __all__ = [
     "DEFAULT_LOADS",
@@ -277,16 +275,11 @@ def with_engine_time(capacity: Capacity, setup: VirtualSetup) -> Capacity:
     """A given capacity completed with its engine time, if it has none.
 
     Its engine seconds per second are then its rate times the replayed requests' mean
-    engine seconds (:func:`~narwhal.bench.goodput.engine_seconds`).
+    engine work (:meth:`VirtualSetup.work`: the engines' true cost).
     """
     if capacity.engine_s_per_s > 0:
         return capacity
-    profile = get_profile(setup.profile)
-    rows = setup.rows()
-    mean = sum(engine_seconds(profile, r.prompt_tokens, r.output_tokens) for r in rows) / max(
-        1, len(rows)
-    )
-    return attrs.evolve(capacity, engine_s_per_s=capacity.rps * mean)
+    return attrs.evolve(capacity, engine_s_per_s=capacity.rps * setup.work().mean(setup.rows()))
 
 
 def _figures(
@@ -303,7 +296,7 @@ def _figures(
         budget_s=settings.budget_s,
         offered_rps=capacity.rps * load,
         capacity=capacity,
-        profile=get_profile(settings.setup.profile),
+        work=settings.setup.work(),
         warmup_fraction=settings.warmup_fraction,
         books=result.books,
         wall_s=result.wall_s,

@@ -33,6 +33,7 @@ from narwhal.bench.goodput import (
     Check,
     Outcome,
     ReplayFigures,
+    Work,
     evaluate,
     overall_verdict,
 )
@@ -41,7 +42,7 @@ from narwhal.bench.replay import chat_body
 from narwhal.bench.services import Service, free_port, lists_model, start_service, status_ok
 from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate
 from narwhal.config import Config, EngineConfig, config_to_toml
-from narwhal.scheduling.profiles import get_profile
+from narwhal.sim.calibration import engine_type
 
 __all__ = ["RealtimeReport", "RealtimeSettings", "outcome_of", "run_realtime"]
 
@@ -262,7 +263,7 @@ async def _measure(settings: RealtimeSettings, url: str, echo: Echo) -> list[Rep
     rows = load_trace(settings.trace)
     capacity = settings.scaled_capacity
     budget = settings.budget_s * settings.time_scale
-    profile = get_profile(settings.profile)
+    work = Work.of(engine_type(settings.profile))  # what `narwhal sim --profile` runs
     model = settings.router.serving.model
     figures: list[ReplayFigures] = []
     position = 0
@@ -308,7 +309,7 @@ async def _measure(settings: RealtimeSettings, url: str, echo: Echo) -> list[Rep
                 budget_s=budget,
                 offered_rps=rate,
                 capacity=capacity,
-                profile=profile,
+                work=work,
                 warmup_fraction=settings.warmup_fraction,
                 wall_s=wall,
                 virtual_s=wall,

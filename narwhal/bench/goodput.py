@@ -39,12 +39,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
 from narwhal.bench.load import percentile
-from narwhal.scheduling.profiles import EngineProfile
 
 __all__ = [
     "REFUSAL_CODES",
@@ -52,13 +51,16 @@ __all__ = [
     "Bar",
     "Capacity",
     "Check",
+    "CostModel",
     "FalseRefusals",
     "Outcome",
     "Prediction",
     "PredictionError",
     "ReplayFigures",
     "Window",
+    "Work",
     "bound",
+    "engine_parts",
     "engine_seconds",
     "evaluate",
     "outcome_label",
@@ -140,25 +142,126 @@ def outcome_label(outcome: Outcome) -> str:
     return f"{outcome.status} {outcome.code}" if outcome.code else str(outcome.status)
 
 
-def engine_seconds(profile: EngineProfile, prompt_tokens: int, output_tokens: int) -> float:
-    """The engine time a request costs at the engines' saturation point, in seconds.
+class CostModel(Protocol):
+    """What :func:`engine_seconds` asks of an engine's physics (milliseconds of engine time).
+
+    The simulated engines' own :class:`~narwhal.sim.calibration.EngineType` answers it (the
+    truth the benchmark weighs work with), and so does the router's
+    :class:`~narwhal.scheduling.profiles.EngineProfile` (tests that count by hand).
+    """
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most sequences in the running batch."""
+        ...
+
+    @property
+    def decode_base_ms(self) -> float:
+        """Fixed cost of a decode step."""
+        ...
+
+    @property
+    def decode_per_seq_ms(self) -> float:
+        """Cost per decoding sequence."""
+        ...
+
+    @property
+    def decode_per_kv_token_ms(self) -> float:
+        """Cost per context token held by the decoding sequences."""
+        ...
+
+    def prefill_chunk_ms(self, start: int, end: int) -> float:
+        """The variable cost of prefilling positions ``start .. end`` inside a step."""
+        ...
+
+
+def engine_parts(costs: CostModel, prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
+    """:func:`engine_seconds` in its two parts: the prefill's and the decode's, in seconds."""
+    prefill_ms = costs.prefill_chunk_ms(0, prompt_tokens)
+    steps = max(0, output_tokens - 1)
+    context = prompt_tokens + output_tokens / 2
+    per_step_ms = (
+        costs.decode_base_ms / costs.max_num_seqs
+        + costs.decode_per_seq_ms
+        + costs.decode_per_kv_token_ms * context
+    )
+    return prefill_ms / 1000, steps * per_step_ms / 1000
+
+
+def engine_seconds(costs: CostModel, prompt_tokens: int, output_tokens: int) -> float:
+    """The engine time a request costs at the engine's saturation point, in seconds.
 
     Its prompt's prefill work (``prefill_chunk_ms``: the per-token and attention terms; the
     fixed cost of a prefill step is not paid while decodes run) plus, for each output token after
     the first, its share of a decode step in a full batch: ``s_d`` and ``k_d`` times its mean
     context, and the step's fixed cost ``a_d`` split over ``max_num_seqs`` sequences. The same
-    formula weighs the offered load, the capacity and the goodput, so their ratios compare like
-    with like.
+    formula weighs the offered load, the capacity and the goodput (:class:`Work`), so their
+    ratios compare like with like.
     """
-    prefill_ms = profile.prefill_chunk_ms(0, prompt_tokens)
-    steps = max(0, output_tokens - 1)
-    context = prompt_tokens + output_tokens / 2
-    per_step_ms = (
-        profile.decode_base_ms / profile.max_num_seqs
-        + profile.decode_per_seq_ms
-        + profile.decode_per_kv_token_ms * context
-    )
-    return (prefill_ms + steps * per_step_ms) / 1000
+    prefill, decode = engine_parts(costs, prompt_tokens, output_tokens)
+    return prefill + decode
+
+
+@attrs.frozen
+class Work:
+    """How the benchmark weighs a request in engine work: its true cost, averaged over the pool.
+
+    Each engine's cost is :func:`engine_seconds` on that engine's own physics (the simulated
+    engines' calibrated type, per-engine variation and truth scale, never the router's
+    profile), times its time scale; a request's work is the mean of those over the pool's
+    engines, whichever engine served it. The capacity, the offered load and the goodput are
+    all counted in this one unit (*pool-mean engine seconds*), so that in a mixed pool (an
+    A100 costs a request about three times what an H100 does) or with engines twice as slow
+    as the router believes, the ratios still compare like with like: a request is the same
+    amount of work wherever it runs, and a slower pool is one that completes less of it per
+    second. A scheduled slowdown is a change of the capacity over the run, not of the work
+    (:mod:`narwhal.bench.admission` weighs the capacity by time instead).
+
+    Attributes:
+        engines: each engine's cost model and time scale.
+        names: what each engine is (its type, for the report).
+    """
+
+    engines: tuple[tuple[CostModel, float], ...]
+    names: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, costs: CostModel, scale: float = 1.0) -> Work:
+        """The work on one engine of cost model ``costs`` (or a pool of identical ones)."""
+        return cls(((costs, scale),), (str(getattr(costs, "name", "")),))
+
+    def parts(self, prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
+        """A request's prefill and decode work, in pool-mean engine seconds."""
+        if not self.engines:
+            return 0.0, 0.0
+        prefill = decode = 0.0
+        for costs, scale in self.engines:
+            one_prefill, one_decode = engine_parts(costs, prompt_tokens, output_tokens)
+            prefill += one_prefill * scale
+            decode += one_decode * scale
+        return prefill / len(self.engines), decode / len(self.engines)
+
+    def seconds(self, prompt_tokens: int, output_tokens: int) -> float:
+        """A request's work, in pool-mean engine seconds."""
+        prefill, decode = self.parts(prompt_tokens, output_tokens)
+        return prefill + decode
+
+    def mean(self, requests: Iterable[Any]) -> float:
+        """The mean work of ``requests`` (anything with ``prompt_tokens`` and ``output_tokens``)."""
+        values = [self.seconds(r.prompt_tokens, r.output_tokens) for r in requests]
+        return sum(values) / len(values) if values else 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return {
+            "unit": "pool-mean engine seconds (each engine's true cost)",
+            "engines": list(self.names),
+            "scales": [scale for _, scale in self.engines],
+        }
+
+
+def _as_work(work: Work | CostModel) -> Work:
+    return work if isinstance(work, Work) else Work.of(work)
 
 
 def safe_ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -181,7 +284,8 @@ class Capacity:
         rps: requests per second of the trace's own mix: ``engine_s_per_s`` over the trace's
             mean engine seconds per request, so that a load of 1x offers the engine work the
             engines complete, whatever mix the measurement window happened to complete.
-        engine_s_per_s: engine seconds (:func:`engine_seconds`) completed per second.
+        engine_s_per_s: engine work (:class:`Work`: pool-mean engine seconds of the engines'
+            true cost) completed per second.
         window_s: the measured window (virtual seconds), after the warm-up.
         completed: requests completed in the window.
         concurrency: requests kept in flight.
@@ -459,13 +563,18 @@ def replay_figures(
     budget_s: float,
     offered_rps: float,
     capacity: Capacity,
-    profile: EngineProfile,
+    work: Work | CostModel,
     warmup_fraction: float = 0.2,
     books: Mapping[str, int] | None = None,
     wall_s: float = 0.0,
     virtual_s: float = 0.0,
 ) -> ReplayFigures:
-    """The figures of one replay (see the module doc for the definitions)."""
+    """The figures of one replay (see the module doc for the definitions).
+
+    ``work`` weighs each request in engine work (:class:`Work`: the engines' true cost; a bare
+    cost model is a pool of identical engines of that model).
+    """
+    work = _as_work(work)
     window = Window.of(outcomes, warmup_fraction)
     admitted = [outcome for outcome in outcomes if outcome.admitted]
     good = [
@@ -478,9 +587,9 @@ def replay_figures(
     settled = [outcome for outcome in arriving if outcome.admitted]
     length = window.length_s
     goodput_rps = len(good) / length if length > 0 else 0.0
-    goodput_engine = _engine_total(profile, good) / length if length > 0 else 0.0
+    goodput_engine = _engine_total(work, good) / length if length > 0 else 0.0
     offered_in_window = len(attainable) / length if length > 0 else offered_rps
-    offered_engine = _engine_total(profile, attainable) / length if length > 0 else 0.0
+    offered_engine = _engine_total(work, attainable) / length if length > 0 else 0.0
     ttfts = [outcome.ttft_s for outcome in admitted if outcome.ttft_s is not None]
     placement = tuple(
         (outcome.placement_ttft_s, outcome.router_ttft_s)
@@ -523,8 +632,8 @@ def replay_figures(
     )
 
 
-def _engine_total(profile: EngineProfile, outcomes: Iterable[Outcome]) -> float:
-    return sum(engine_seconds(profile, o.prompt_tokens, o.output_tokens) for o in outcomes)
+def _engine_total(work: Work, outcomes: Iterable[Outcome]) -> float:
+    return sum(work.seconds(o.prompt_tokens, o.output_tokens) for o in outcomes)
 
 
 @attrs.frozen

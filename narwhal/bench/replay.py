@@ -32,7 +32,7 @@ import random
 import time
 from collections.abc import Iterator
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import attrs
 import httpx
@@ -42,13 +42,14 @@ import trio.testing
 
 from narwhal.admission.observer import Decision, Served
 from narwhal.bench import procstat
-from narwhal.bench.goodput import Capacity, Outcome, engine_seconds
+from narwhal.bench.goodput import Capacity, CostModel, Outcome, Work
 from narwhal.bench.inprocess import EngineTruth, InProcessFleet, open_fleet
 from narwhal.bench.load import StreamTimer, percentile
 from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncate
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig, UpstreamConfig
 from narwhal.scheduling.profiles import get_profile
 from narwhal.sim.calibration import ALIASES
+from narwhal.sim.timing import StepTiming
 from narwhal.upstream.transport import OneShotBody
 
 __all__ = [
@@ -103,6 +104,29 @@ class VirtualSetup:
         """The trace rows replayed (unscaled)."""
         rows = load_trace(self.trace)
         return rows if self.duration_s is None else truncate(rows, self.duration_s)
+
+    def work(self) -> Work:
+        """How requests are weighed in engine work: each engine's true cost (the truth's engine
+        type, variation and scale, with the seed each engine of the fleet is built with),
+        averaged over the pool (:class:`~narwhal.bench.goodput.Work`). The router's profile
+        plays no part.
+
+        Raises:
+            ValueError: an engine's truth is not a step-cost model (it has no engine work).
+        """
+        truth = self.truth
+        engines = []
+        names = []
+        for index, engine in enumerate(self.router.engines):
+            kind = truth.engine_type(engine.profile, index)
+            timing = truth.timing(kind, seed=self.seed + index)
+            if not isinstance(timing, StepTiming):
+                raise ValueError(f"engine {engine.name}: {kind!r} has no step costs to weigh")
+            # An EngineType (calibrated) or the router's EngineProfile (--engine-truth prior):
+            # both have the decode constants StepCosts leaves out.
+            engines.append((cast(CostModel, timing.profile), timing.time_scale))
+            names.append(kind)
+        return Work(tuple(engines), tuple(names))
 
     def config(self, mode: Mode, budget_s: float) -> Config:
         """The router's configuration for one run."""
@@ -374,7 +398,7 @@ async def _capacity(job: CapacityJob) -> Capacity:
     rows = setup.rows()
     order = list(rows)
     random.Random(setup.seed).shuffle(order)
-    profile = get_profile(setup.profile)
+    work = setup.work()
     outcomes: dict[int, Outcome] = {}
     batches: list[float] = []
     bounds: list[float] = []  # [start, stop] of the window, once known
@@ -431,9 +455,8 @@ async def _capacity(job: CapacityJob) -> Capacity:
         if o.completed and o.end_s is not None and start <= o.end_s <= stop
     ]
     ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
-    engine_s = sum(engine_seconds(profile, o.prompt_tokens, o.output_tokens) for o in done)
-    trace_mean = sum(engine_seconds(profile, r.prompt_tokens, r.output_tokens) for r in rows)
-    trace_mean /= max(1, len(rows))
+    engine_s = sum(work.seconds(o.prompt_tokens, o.output_tokens) for o in done)
+    trace_mean = work.mean(rows)
     done_mean = engine_s / len(done) if done else None
     engine_rate = engine_s / window
     return Capacity(

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from narwhal.bench.cli import admission_settings, main, parse_floats
-from narwhal.bench.goodput import Capacity, engine_seconds, replay_figures
+from narwhal.bench.goodput import Capacity, replay_figures
 from narwhal.bench.inprocess import CoalescingSimEngine
 from narwhal.bench.replay import (
     CapacityJob,
@@ -23,7 +23,6 @@ from narwhal.bench.replay import (
     measure_memory,
     run_replay,
 )
-from narwhal.scheduling.profiles import get_profile
 from narwhal.sim.timing import profile
 
 # What `narwhal bench admission` measured for two h100-llama3-8b engines on this trace.
@@ -72,7 +71,7 @@ def test_predictive_mode_keeps_admitted_requests_in_budget(one_minute: dict[str,
             budget_s=2.0,
             offered_rps=CAPACITY.rps,
             capacity=CAPACITY,
-            profile=get_profile("h100-llama3-8b"),
+            work=SETUP.work(),
         )
         for mode, result in one_minute.items()
     }
@@ -124,8 +123,7 @@ def test_capacity_is_what_a_saturated_closed_loop_completes_of_the_traces_mix() 
     assert capacity.completed >= len(rows)
     assert capacity.completed_rps == capacity.completed / capacity.window_s
     # Its request rate is that of the trace's own mix: its engine work over the trace's mean.
-    profile = get_profile("h100-llama3-8b")
-    mean = sum(engine_seconds(profile, r.prompt_tokens, r.output_tokens) for r in rows) / len(rows)
+    mean = SETUP.work().mean(rows)
     assert capacity.rps == pytest.approx(capacity.engine_s_per_s / mean)
     assert capacity.mix is not None and 0.8 < capacity.mix < 1.25
     assert capacity.mean_batch is not None and capacity.mean_batch > 20

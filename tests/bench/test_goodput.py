@@ -135,7 +135,7 @@ def test_figures_of_a_light_load() -> None:
         budget_s=2.0,
         offered_rps=1.0,
         capacity=capacity,
-        profile=PROFILE,
+        work=PROFILE,
         warmup_fraction=0.0,
         books={"offered": 21},
     )
@@ -171,7 +171,7 @@ def test_the_bound_is_the_capacity_under_overload() -> None:
         budget_s=2.0,
         offered_rps=10.0,
         capacity=Capacity(rps=4.0, engine_s_per_s=0.2),
-        profile=PROFILE,
+        work=PROFILE,
         warmup_fraction=0.0,
     )
     assert figures.bound_rps == 4.0
@@ -187,7 +187,7 @@ def figures(load: float, mode: str, **values: object) -> ReplayFigures:
         budget_s=2.0,
         offered_rps=1.0,
         capacity=Capacity(rps=4.0, engine_s_per_s=1.0),
-        profile=PROFILE,
+        work=PROFILE,
         warmup_fraction=0.0,
     )
     return attrs.evolve(base, **values)  # type: ignore[arg-type]
@@ -268,7 +268,7 @@ def test_goodput_above_the_bound_fails_in_every_mode() -> None:
             budget_s=2.0,
             offered_rps=10.0,
             capacity=capacity,
-            profile=PROFILE,
+            work=PROFILE,
             warmup_fraction=0.0,
         )
         for mode in ("predictive", "open")
@@ -298,7 +298,7 @@ def test_requests_that_cannot_meet_the_budget_on_an_idle_engine_leave_the_bound(
         budget_s=2.0,
         offered_rps=1.0,
         capacity=Capacity(rps=4.0, engine_s_per_s=1.0),
-        profile=PROFILE,
+        work=PROFILE,
         warmup_fraction=0.0,
     )
     assert figures.unattainable == 5

@@ -1,0 +1,56 @@
+"""Engine work is weighed with the engines' true cost, in one unit for capacity and goodput."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from narwhal.bench.goodput import Work, engine_seconds
+from narwhal.bench.inprocess import EngineTruth
+from narwhal.bench.replay import VirtualSetup, default_router
+from narwhal.scheduling.profiles import EngineProfile, get_profile
+from narwhal.sim.calibration import VARIATION, engine_type
+
+UNIT = EngineProfile(
+    name="unit",
+    prefill_base_ms=5.0,
+    prefill_per_token_ms=1.0,
+    prefill_quadratic_ms=0.0,
+    decode_base_ms=0.0,
+    decode_per_seq_ms=1.0,
+    decode_per_kv_token_ms=0.0,
+    max_num_seqs=1,
+)
+
+
+def test_a_request_is_its_true_cost_averaged_over_the_pool() -> None:
+    # 100 prompt tokens at 1 ms, 10 decode steps at 1 ms: 0.110 s on one engine, 0.220 s on an
+    # engine twice as slow; the pool of both weighs it 0.165 s wherever it runs.
+    work = Work(((UNIT, 1.0), (UNIT, 2.0)))
+    assert work.parts(100, 11) == pytest.approx((0.150, 0.015))
+    assert work.seconds(100, 11) == pytest.approx(0.165)
+    assert Work.of(UNIT).seconds(100, 11) == pytest.approx(engine_seconds(UNIT, 100, 11))
+    assert work.mean([]) == 0.0
+
+
+def test_the_setup_weighs_work_with_each_engines_truth_not_the_routers_profile() -> None:
+    mixed = VirtualSetup(default_router(types=("h100", "a100")), truth=EngineTruth(types=()))
+    work = mixed.work()
+    assert work.names == ("h100-llama3-8b", "a100-llama3-8b")
+    h100 = engine_type("h100").varied(0, VARIATION)
+    a100 = engine_type("a100").varied(1, VARIATION)
+    expected = (engine_seconds(h100, 1000, 200) + engine_seconds(a100, 1000, 200)) / 2
+    assert work.seconds(1000, 200) == pytest.approx(expected)
+    # The router's profile of the same engines says otherwise, and plays no part.
+    prior = get_profile("h100-llama3-8b")
+    assert work.seconds(1000, 200) != pytest.approx(engine_seconds(prior, 1000, 200), rel=0.01)
+    # Engines really twice as slow are twice the work per request; the capacity in the same
+    # unit halves, so the ratios are unchanged.
+    slow = attrs.evolve(mixed, truth=EngineTruth(scale=2.0))
+    assert slow.work().seconds(1000, 200) == pytest.approx(2 * work.seconds(1000, 200))
+    # Only with the prior as the truth is the router's profile the cost (times the scale).
+    as_prior = attrs.evolve(mixed, truth=EngineTruth(prior=True, scale=2.0))
+    h100_prior, a100_prior = get_profile("h100-llama3-8b"), get_profile("a100-llama3-8b")
+    expected = engine_seconds(h100_prior, 1000, 200) + engine_seconds(a100_prior, 1000, 200)
+    assert as_prior.work().seconds(1000, 200) == pytest.approx(expected)
+    assert work.as_json()["engines"] == ["h100-llama3-8b", "a100-llama3-8b"]
