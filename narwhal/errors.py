@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 __all__ = [
     "CapacityRejection",
     "EngineAttemptsFailed",
+    "EngineBusy",
     "EngineError",
     "EngineRejectedRequest",
     "EngineResponseError",
@@ -306,6 +307,12 @@ class EngineError(UpstreamFailure):
     """The engine was unreachable, answered 5xx, sent an error frame or broke its stream."""
 
     default_code = "engine_error"
+
+
+class EngineBusy(EngineError):
+    """The engine answered 503: it refuses new work for now (vLLM's ``--max-num-queued-tokens``
+    or ``--max-num-queued-reqs``), which says nothing against it: retried elsewhere like any
+    5xx, but not counted as the engine failing."""
 
 
 class EngineUnreachable(EngineError):

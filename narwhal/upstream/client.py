@@ -20,6 +20,7 @@ import trio
 
 from narwhal.config import EngineConfig, UpstreamConfig
 from narwhal.errors import (
+    EngineBusy,
     EngineError,
     EngineRejectedRequest,
     EngineResponseError,
@@ -371,6 +372,8 @@ def normalise_engine_error(
             param, code = _param_and_code(error)
     if 400 <= status < 500:
         return EngineRejectedRequest(message, status=status, param=param, code=code)
+    if status == 503:
+        return EngineBusy(f"engine {engine} answered HTTP 503: {message}")
     return EngineError(f"engine {engine} answered HTTP {status}: {message}")
 
 

@@ -4,7 +4,9 @@ Before headers, Narwhal may still change its mind: a connection error, an engine
 error frame (but one whose ``code`` is a 4xx), a token-ID violation or a malformed event is
 retried once on a different eligible engine, else the client gets a 502 that tells it not to
 retry (``x-should-retry: false``: Narwhal's own retry is spent; docs: Request lifecycle). Events
-read before the decision are held and flushed right after the headers.
+read before the decision are held and flushed right after the headers. An engine's 503 (it
+refuses new work, as vLLM's queue limits do) is retried the same way, but not counted against the
+engine (:class:`~narwhal.errors.EngineBusy`).
 
 The engine's 4xx, as an HTTP answer or as an in-band error frame whose ``code`` is a 4xx status
 (vLLM checks some parameters only once the stream has begun), is the client's error: it is
@@ -27,6 +29,7 @@ import trio
 from narwhal.admission.context import too_short
 from narwhal.errors import (
     EngineAttemptsFailed,
+    EngineBusy,
     EngineError,
     EngineResponseError,
     UpstreamFailure,
@@ -301,7 +304,8 @@ async def with_one_retry(
                 engine.name,
                 exc.message,
             )
-            engine.failed += 1
+            if not isinstance(exc, EngineBusy):  # an engine refusing work has not failed
+                engine.failed += 1
             record_failure(engine, exc)
             failures.append((engine, exc))
         other = None
