@@ -38,6 +38,7 @@ from narwhal.bench.overhead import (
     run_overhead,
 )
 from narwhal.bench.services import ServiceError
+from narwhal.bench.trace import TRACE_NAMES
 
 __all__ = ["admission_settings", "main", "parse_floats", "parse_levels"]
 
@@ -357,7 +358,7 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="the TTFT budget (default %(default)s)",
     )
-    parser.add_argument("--trace", default="conv", choices=("conv", "code"), help="the trace")
+    parser.add_argument("--trace", default="conv", choices=TRACE_NAMES, help="the trace")
     parser.add_argument("--seed", type=int, default=0, help="seeds everything (default 0)")
     parser.add_argument(
         "--engines",

@@ -5,6 +5,9 @@ row), its prompt length and its output length, in tokens. The bundled traces
 (``narwhal/data/traces/``, see ``ATTRIBUTION.md`` there) have the columns ``TIMESTAMP``,
 ``ContextTokens`` and ``GeneratedTokens``.
 
+Synthetic traces made from the bundled ones with a seed (:mod:`narwhal.bench.synthetic`:
+``bursty``, ``long``) load by name too; :data:`TRACE_NAMES` lists every name.
+
 Replaying a trace at a chosen load keeps its shape (the bursts, the order, the lengths) and
 scales only the time axis: :func:`scale_to_rate` compresses or stretches every inter-arrival
 gap by the same factor so that the mean rate becomes the one asked for.
@@ -22,6 +25,7 @@ import attrs
 
 __all__ = [
     "TRACES",
+    "TRACE_NAMES",
     "TraceRequest",
     "load_trace",
     "mean_rate",
@@ -33,6 +37,10 @@ __all__ = [
 
 TRACES = {"conv": "azure2023_conv.csv", "code": "azure2023_code.csv"}
 """The bundled traces by short name."""
+
+TRACE_NAMES = ("conv", "code", "bursty", "long")
+"""Every name :func:`load_trace` accepts besides the file names: the bundled traces, then the
+synthetic ones (:data:`narwhal.bench.synthetic.SYNTHETIC`)."""
 
 
 @attrs.frozen(slots=True)
@@ -86,15 +94,22 @@ def _timestamp(text: str) -> float:
     return seconds + (float(f"0.{fraction}") if fraction else 0.0)
 
 
-def load_trace(name: str) -> list[TraceRequest]:
-    """A bundled trace by short name (``conv``, ``code``) or file name.
+def load_trace(name: str, *, seed: int = 0) -> list[TraceRequest]:
+    """A trace by name: a bundled one by short name (``conv``, ``code``) or file name, or a
+    synthetic one (``bursty``, ``long``: :mod:`narwhal.bench.synthetic`) built with ``seed``
+    (the bundled ones ignore it).
 
     Raises:
         ValueError: no such trace.
     """
+    from narwhal.bench import synthetic  # it builds on this module
+
+    made = synthetic.SYNTHETIC.get(name)
+    if made is not None:
+        return synthetic.build(name, load_trace(made.base), seed=seed)
     filename = TRACES.get(name, name)
     if filename not in TRACES.values():
-        known = ", ".join(sorted(TRACES))
+        known = ", ".join(TRACE_NAMES)
         raise ValueError(f"unknown trace {name!r} (known: {known})")
     text = resources.files("narwhal").joinpath("data", "traces", filename).read_text()
     return parse_trace(text)
