@@ -15,17 +15,23 @@ Definitions (``benchmarks/README.md`` says the same for readers of the report):
 * **in budget**: admitted, with its first output event at most ``budget`` seconds after it was
   sent.
 * **goodput**: requests in budget *and* completed, per second, among those arriving in the
-  measurement window (the replay's span after a warm-up, while the engines fill); **engine
-  goodput** is the same in engine seconds (:func:`engine_seconds`) per second. Counting by
-  arrival makes a light load exact (every request arriving in the window counts once, however
-  late it completes); under overload the router can only admit what the engines complete, so
-  it measures their in-budget throughput.
+  measurement window (the replay's span after a warm-up, while the engines fill). **Engine
+  goodput** (the headline) is the engine work of those requests *done inside the window*, per
+  second (:func:`work_in_window`): each request's prefill work spread over its arrival to its
+  first token, its decode work over its first token to its end, counted by the share inside
+  the window. Work is each request's true cost averaged over the pool's engines
+  (:class:`Work`), the unit the capacity is measured in. The engines cannot do more work in a
+  window than their capacity times its length, so engine goodput cannot pass the capacity by
+  construction (up to the noise of the capacity's own measurement); counted by arrival, work
+  arriving in the window but done after it would count, and at 1x it read above the bound.
 * **attainable**: a request that can meet the budget at all: its first token, alone on an idle
   engine, comes within the budget. The engines' own timing answers that (the simulated engines'
   true behaviour, ``Outcome.idle_ttft_s``), not the router's model of them. A request whose
   prefill alone exceeds the budget is in no policy's goodput, so it is left out of the bound.
 * **bound**: ``min(offered, capacity)`` over the same window, of the attainable requests, in
-  engine seconds per second (the headline) and in requests per second (beside it): no policy
+  engine work per second (the headline; the offered work counted inside the window as goodput
+  is, a request never served at its arrival, and every in-budget request as offered, so that
+  goodput cannot pass the offered term either) and in requests per second (beside it): no policy
   can deliver more in-budget work than is offered, nor more than the engines can complete.
   Engine work is the bound that holds whatever the mix; a policy that admits short requests can
   pass it in requests, never in engine work, and goodput above 100 % of the engine-work bound
@@ -67,6 +73,7 @@ __all__ = [
     "overall_verdict",
     "replay_figures",
     "safe_ratio",
+    "work_in_window",
 ]
 
 REFUSAL_CODES = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"})
@@ -577,19 +584,20 @@ def replay_figures(
     work = _as_work(work)
     window = Window.of(outcomes, warmup_fraction)
     admitted = [outcome for outcome in outcomes if outcome.admitted]
-    good = [
-        outcome
-        for outcome in admitted
-        if outcome.completed and outcome.in_budget(budget_s) and window.holds(outcome.arrival_s)
-    ]
+    good_all = [o for o in admitted if o.completed and o.in_budget(budget_s)]
+    good = [outcome for outcome in good_all if window.holds(outcome.arrival_s)]
     arriving = [outcome for outcome in outcomes if window.holds(outcome.arrival_s)]
     attainable = [outcome for outcome in arriving if outcome.attainable(budget_s)]
     settled = [outcome for outcome in arriving if outcome.admitted]
     length = window.length_s
     goodput_rps = len(good) / length if length > 0 else 0.0
-    goodput_engine = _engine_total(work, good) / length if length > 0 else 0.0
     offered_in_window = len(attainable) / length if length > 0 else offered_rps
-    offered_engine = _engine_total(work, attainable) / length if length > 0 else 0.0
+    # Engine work counts where it was done: each request's share inside the window. A good
+    # request also counts as offered, so goodput <= offered term by term.
+    good_ids = {id(outcome) for outcome in good_all}
+    offered_work = [o for o in outcomes if o.attainable(budget_s) or id(o) in good_ids]
+    goodput_engine = work_in_window(work, good_all, window) / length if length > 0 else 0.0
+    offered_engine = work_in_window(work, offered_work, window) / length if length > 0 else 0.0
     ttfts = [outcome.ttft_s for outcome in admitted if outcome.ttft_s is not None]
     placement = tuple(
         (outcome.placement_ttft_s, outcome.router_ttft_s)
@@ -632,8 +640,34 @@ def replay_figures(
     )
 
 
-def _engine_total(work: Work, outcomes: Iterable[Outcome]) -> float:
-    return sum(work.seconds(o.prompt_tokens, o.output_tokens) for o in outcomes)
+def _overlap(start: float, end: float, window: Window) -> float:
+    """The share of ``[start, end]`` inside ``window`` (an instant: 1 inside, 0 outside)."""
+    if end <= start:
+        return 1.0 if window.holds(start) else 0.0
+    inside = min(end, window.end_s) - max(start, window.start_s)
+    return max(0.0, inside) / (end - start)
+
+
+def work_in_window(work: Work, outcomes: Iterable[Outcome], window: Window) -> float:
+    """The engine work of ``outcomes`` done inside ``window``, in pool-mean engine seconds.
+
+    A request's prefill work is spread over its arrival to its first token, its decode work
+    over its first token to its end, and each counts by the share of its interval inside the
+    window; a request without both times (refused, failed, cut) counts whole if it arrived in
+    the window. The engines cannot do more work in a window than their capacity times its
+    length, so goodput counted this way cannot pass the capacity (up to the noise of its
+    measurement), whatever the latency: work done after the window does not count in it.
+    """
+    total = 0.0
+    for outcome in outcomes:
+        prefill, decode = work.parts(outcome.prompt_tokens, outcome.output_tokens)
+        start, ttft, end = outcome.arrival_s, outcome.ttft_s, outcome.end_s
+        if ttft is None or end is None:
+            total += (prefill + decode) * _overlap(start, start, window)
+            continue
+        first = start + ttft
+        total += prefill * _overlap(start, first, window) + decode * _overlap(first, end, window)
+    return total
 
 
 @attrs.frozen
