@@ -23,6 +23,7 @@ runs go to worker processes (``jobs``).
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import multiprocessing
 import os
 import random
@@ -36,11 +37,13 @@ from narwhal.bench.admission_report import AdmissionReport
 from narwhal.bench.goodput import (
     Bar,
     Capacity,
+    CapacityPhase,
     FalseRefusals,
     ReplayFigures,
     evaluate,
     replay_figures,
 )
+from narwhal.bench.inprocess import Slowdown
 from narwhal.bench.procstat import environment
 from narwhal.bench.replay import (
     CapacityJob,
@@ -58,6 +61,7 @@ from narwhal.bench.trace import mean_rate, span_s
 __all__ = [
     "DEFAULT_LOADS",
     "AdmissionSettings",
+    "capacity_phases",
     "run_admission",
     "sample_refusals",
     "with_engine_time",
@@ -205,14 +209,7 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
             f"{settings.capacity_window_s:g} s measured (until {settings.capacity_passes:g} "
             "pass of the trace has completed; virtual)"
         )
-        capacity = measure_capacity(
-            CapacityJob(
-                setup,
-                warmup_s=settings.capacity_warmup_s,
-                window_s=settings.capacity_window_s,
-                passes=settings.capacity_passes,
-            )
-        )
+        capacity = _measure_capacity(settings, echo)
     else:
         capacity = with_engine_time(capacity, setup)
     walls["capacity"] = time.perf_counter() - phase
@@ -269,6 +266,57 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
         checks=tuple(checks),
         wall_s=walls,
     )
+
+
+def capacity_phases(slowdowns: Sequence[Slowdown], warmup_fraction: float) -> list[CapacityPhase]:
+    """The states the engines go through during a replay's measurement window.
+
+    A replay's window runs from ``warmup_fraction`` of its span to its end; a slowdown at
+    ``at`` of the span is in force from there on. Each state is the slowdowns in force, with
+    the share of the window it lasts (states of no length are left out; one state, no
+    slowdown, without any).
+    """
+    rest = max(1e-12, 1.0 - warmup_fraction)
+
+    def start(slowdown: Slowdown) -> float:
+        return min(1.0, max(0.0, (slowdown.at - warmup_fraction) / rest))
+
+    ordered = sorted(slowdowns, key=lambda slowdown: slowdown.at)
+    points = sorted({0.0, 1.0, *(start(slowdown) for slowdown in ordered)})
+    phases = []
+    for begin, end in itertools.pairwise(points):
+        if end <= begin:
+            continue
+        active = tuple(str(slowdown) for slowdown in ordered if start(slowdown) <= begin)
+        phases.append(CapacityPhase(active, end - begin))
+    return phases
+
+
+def _measure_capacity(settings: AdmissionSettings, echo: Echo) -> Capacity:
+    """The engines' capacity over a replay's window: one closed loop per state of the engines
+    (:func:`capacity_phases`), the slowdowns of each in force from its start, time-weighted."""
+    setup = settings.setup
+    phases = capacity_phases(setup.truth.slowdowns, settings.warmup_fraction)
+    by_text = {str(slowdown): slowdown for slowdown in setup.truth.slowdowns}
+    states = sorted({phase.slowdowns for phase in phases}, key=len)
+    jobs = [
+        CapacityJob(
+            attrs.evolve(
+                setup,
+                truth=attrs.evolve(setup.truth, slowdowns=tuple(by_text[t] for t in state)),
+            ),
+            warmup_s=settings.capacity_warmup_s,
+            window_s=settings.capacity_window_s,
+            passes=settings.capacity_passes,
+        )
+        for state in states
+    ]
+    if len(jobs) > 1:
+        echo(f"capacity: {len(jobs)} loops, one per state of the engines during the window")
+    measured = dict(zip(states, _map(measure_capacity, jobs, settings.jobs), strict=True))
+    if len(phases) == 1 and not phases[0].slowdowns:
+        return measured[()]
+    return Capacity.time_weighted([(phase, measured[phase.slowdowns]) for phase in phases])
 
 
 def with_engine_time(capacity: Capacity, setup: VirtualSetup) -> Capacity:

@@ -178,8 +178,19 @@ def render_report(report: AdmissionReport) -> list[str]:
             f"{capacity.completed} completions in {capacity.window_s:.0f} s after "
             f"{capacity.warmup_s:.0f} s of warm-up, {_rate(capacity.completed_rps)} req/s, "
             f"mix {_number(capacity.mix, 2)} of the trace's mean engine time; mean batch "
-            f"{_number(capacity.mean_batch)} per engine)"
+            f"{_number(capacity.mean_batch)} per engine; engine work: each request's true cost "
+            "averaged over the pool's engines)"
         )
+        if capacity.phases:
+            lines.append(
+                "capacity over the replay's measurement window, time-weighted over the engines' "
+                "states (one closed loop per state, its slowdowns in force from the start): "
+                + "; ".join(
+                    f"{' + '.join(phase.slowdowns) or 'no slowdown'}: "
+                    f"{phase.engine_s_per_s:.3f} engine-s/s for {_pct(phase.share)} of the window"
+                    for phase in capacity.phases
+                )
+            )
     else:
         lines.append(
             f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "

@@ -56,6 +56,7 @@ __all__ = [
     "REJECTION_CODES",
     "Bar",
     "Capacity",
+    "CapacityPhase",
     "Check",
     "CostModel",
     "FalseRefusals",
@@ -305,6 +306,9 @@ class Capacity:
         completed_rps: the window's completions per second (the rate of the mix it completed).
         mix: the mean engine seconds of the window's completions over the trace's mean (1: the
             window completed the trace's own mix; below 1: it favoured short requests).
+        phases: with scheduled slowdowns, the capacity of each state the engines are in during
+            a replay's measurement window, and the share of the window it lasts; ``rps`` and
+            ``engine_s_per_s`` are then their time-weighted means (empty: one state).
     """
 
     rps: float
@@ -318,10 +322,48 @@ class Capacity:
     warmup_s: float = 0.0
     completed_rps: float | None = None
     mix: float | None = None
+    phases: tuple[CapacityPhase, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         """Plain values for the JSON report."""
-        return attrs.asdict(self)
+        return {**attrs.asdict(self), "phases": [phase.as_json() for phase in self.phases]}
+
+    @classmethod
+    def time_weighted(cls, phases: Sequence[tuple[CapacityPhase, Capacity]]) -> Capacity:
+        """The capacity over a window through ``phases`` (each with its measured capacity):
+        the shares' weighted mean of the rates; the other figures are the first phase's."""
+        first = phases[0][1]
+        shares = sum(phase.share for phase, _ in phases) or 1.0
+        return attrs.evolve(
+            first,
+            rps=sum(phase.share * one.rps for phase, one in phases) / shares,
+            engine_s_per_s=sum(phase.share * one.engine_s_per_s for phase, one in phases) / shares,
+            phases=tuple(
+                attrs.evolve(phase, rps=one.rps, engine_s_per_s=one.engine_s_per_s)
+                for phase, one in phases
+            ),
+        )
+
+
+@attrs.frozen
+class CapacityPhase:
+    """One state of the engines during a replay's measurement window, and its capacity.
+
+    Attributes:
+        slowdowns: the scheduled slowdowns in force (``ENGINE@AT:FACTOR``), none at first.
+        share: the share of the measurement window the state lasts.
+        rps: its capacity in requests per second of the trace's mix (once measured).
+        engine_s_per_s: its capacity in engine work per second (once measured).
+    """
+
+    slowdowns: tuple[str, ...]
+    share: float
+    rps: float = 0.0
+    engine_s_per_s: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return {**attrs.asdict(self), "slowdowns": list(self.slowdowns)}
 
 
 @attrs.frozen

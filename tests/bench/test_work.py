@@ -5,9 +5,10 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from narwhal.bench.goodput import Work, engine_seconds
-from narwhal.bench.inprocess import EngineTruth
-from narwhal.bench.replay import VirtualSetup, default_router
+from narwhal.bench.admission import capacity_phases
+from narwhal.bench.goodput import Capacity, Work, engine_seconds
+from narwhal.bench.inprocess import EngineTruth, Slowdown
+from narwhal.bench.replay import CapacityJob, VirtualSetup, default_router, measure_capacity
 from narwhal.scheduling.profiles import EngineProfile, get_profile
 from narwhal.sim.calibration import VARIATION, engine_type
 
@@ -54,3 +55,45 @@ def test_the_setup_weighs_work_with_each_engines_truth_not_the_routers_profile()
     expected = engine_seconds(h100_prior, 1000, 200) + engine_seconds(a100_prior, 1000, 200)
     assert as_prior.work().seconds(1000, 200) == pytest.approx(expected)
     assert work.as_json()["engines"] == ["h100-llama3-8b", "a100-llama3-8b"]
+
+
+def test_the_capacity_is_time_weighted_over_the_states_of_a_slowdown() -> None:
+    # A replay's window is its span after the first 20 %; engine-b turns 2x slower half way:
+    # the window spends (0.5 - 0.2) / 0.8 of its length before, the rest after.
+    slow = Slowdown.parse("engine-b@0.5:2.0")
+    phases = capacity_phases([slow], 0.2)
+    assert [(p.slowdowns, p.share) for p in phases] == [
+        ((), pytest.approx(0.375)),
+        (("engine-b@0.5:2",), pytest.approx(0.625)),
+    ]
+    assert [(p.slowdowns, p.share) for p in capacity_phases([], 0.2)] == [((), 1.0)]
+    # One in the warm-up is in force the whole window; two make three states.
+    early = Slowdown.parse("engine-a@0.1:3")
+    assert [p.slowdowns for p in capacity_phases([early], 0.2)] == [("engine-a@0.1:3",)]
+    both = capacity_phases([slow, Slowdown.parse("engine-a@0.6:1.5")], 0.2)
+    assert [p.slowdowns for p in both] == [
+        (),
+        ("engine-b@0.5:2",),
+        ("engine-b@0.5:2", "engine-a@0.6:1.5"),
+    ]
+    fast = Capacity(rps=20.0, engine_s_per_s=2.0, completed=100)
+    slower = Capacity(rps=15.0, engine_s_per_s=1.5, completed=80)
+    weighted = Capacity.time_weighted([(phases[0], fast), (phases[1], slower)])
+    assert weighted.engine_s_per_s == pytest.approx(0.375 * 2.0 + 0.625 * 1.5)
+    assert weighted.rps == pytest.approx(0.375 * 20 + 0.625 * 15)
+    assert weighted.completed == 100  # the other figures: the first state's
+    assert [p.engine_s_per_s for p in weighted.phases] == [2.0, 1.5]
+    assert weighted.as_json()["phases"][1]["slowdowns"] == ["engine-b@0.5:2"]
+
+
+def test_the_capacity_loop_runs_with_its_slowdowns_in_force() -> None:
+    setup = VirtualSetup(default_router(), duration_s=30.0)
+    job = CapacityJob(setup, concurrency=96, warmup_s=2.0, window_s=4.0)
+    slowed = attrs.evolve(
+        setup,
+        truth=attrs.evolve(setup.truth, slowdowns=(Slowdown.parse("engine-b@0.5:2.0"),)),
+    )
+    base = measure_capacity(job)
+    after = measure_capacity(attrs.evolve(job, setup=slowed))
+    # One engine of two at half speed: between half and all of the work per second.
+    assert 0.6 * base.engine_s_per_s < after.engine_s_per_s < 0.9 * base.engine_s_per_s
