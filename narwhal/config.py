@@ -222,6 +222,8 @@ class MonitoringConfig:
     breaker_open_s: float = attrs.field(default=5.0, validator=_positive)
     stale_after_s: float = attrs.field(default=5.0, validator=_positive)
     max_loop_lag_s: float = attrs.field(default=0.25, validator=_positive)
+    # Probe engines before they join, and again when they drift (narwhal.upstream.profiling).
+    profiling: bool = True
 
 
 @attrs.frozen

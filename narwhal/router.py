@@ -91,6 +91,8 @@ class RouterStatistics:
                     "token_accounting": engine.token_accounting,
                     "wave": engine.wave,
                     "occupancy": {"prefill": engine.prefill, "decode": engine.decode},
+                    "profiled": engine.profiled,
+                    "drift": engine.drift.as_json(),
                 }
                 for engine in self.engines
             ],

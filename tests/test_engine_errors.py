@@ -24,7 +24,7 @@ import trio
 from narwhal.admission.context import beyond_context, fits, placed_size, too_short
 from narwhal.admission.predictor import check_budget, project
 from narwhal.admission.queue import Waiter
-from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig
+from narwhal.config import AdmissionConfig, Config, EngineConfig, MonitoringConfig, ServingConfig
 from narwhal.errors import PredictiveRefusal
 from narwhal.router import Router
 from narwhal.scheduling.engines import Engine
@@ -457,7 +457,12 @@ async def frame_engines(nursery: trio.Nursery) -> AsyncIterator[tuple[str, list[
     for index, engine in enumerate(engines):
         url, _ = await serve(nursery, engine)
         configs.append(EngineConfig(name=f"raw-{index}", url=url, token_ids=False))
-    config = Config(serving=ServingConfig(model=MODEL), engines=tuple(configs))
+    # Stand-ins that answer every completion with one body cannot be profiled.
+    config = Config(
+        serving=ServingConfig(model=MODEL),
+        engines=tuple(configs),
+        monitoring=MonitoringConfig(profiling=False),
+    )
     urls = await nursery.start(partial(serve_router, config, bind="127.0.0.1:0"))
     async with httpx.AsyncClient() as client:
         with trio.fail_after(20):

@@ -483,6 +483,9 @@ async def test_an_in_band_refusal_of_the_probe_joins_without_token_accounting(
     start_front: StartFront, autojump_clock: trio.testing.MockClock
 ) -> None:
     """As an HTTP 4xx does: the engine joins, ``token_accounting: unavailable``."""
-    front = await start_front({engine("vllm-a"): ProbeAnswer("vllm-a", REFUSED, card=VLLM_CARD)})
+    front = await start_front(
+        {engine("vllm-a"): ProbeAnswer("vllm-a", REFUSED, card=VLLM_CARD)},
+        monitoring=MonitoringConfig(profiling=False),  # the stand-in refuses every completion
+    )
     assert front.router.pool.engines[0].token_accounting == "unavailable"
     assert front.router.pool.engines[0].eligible

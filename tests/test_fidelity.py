@@ -25,7 +25,13 @@ import pytest
 import trio
 
 from narwhal.bench.inprocess import ASGIStreamTransport, run_lifespan
-from narwhal.config import AdmissionConfig, Config, ServingConfig, UpstreamConfig
+from narwhal.config import (
+    AdmissionConfig,
+    Config,
+    MonitoringConfig,
+    ServingConfig,
+    UpstreamConfig,
+)
 from narwhal.protocol.assembly import Assembler
 from narwhal.protocol.chunks import only_hidden_ids
 from narwhal.protocol.requests import parse_request
@@ -39,6 +45,7 @@ from narwhal.upstream.dialects import (
     response_shape,
     streams_upstream,
 )
+from narwhal.upstream.profiling import PROBE_USER
 from narwhal.web.app import create_app, get_router
 from tests.conftest import MODEL, StartFleet, engine_config
 from tests.sim.vllm_captures import capture
@@ -305,6 +312,7 @@ async def replay(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any]]:
             engines=(engine_config("vllm"),),
             serving=ServingConfig(model="tiny"),
             upstream=UpstreamConfig(read_timeout_s=60),
+            monitoring=MonitoringConfig(profiling=False),  # captured answers: no timing to fit
         )
         app = create_app(settings, transports={"vllm": engine})
         await nursery.start(partial(run_lifespan, app))
@@ -393,7 +401,7 @@ def received(fleet: Any) -> list[dict[str, Any]]:
         body
         for sim in fleet.sims.values()
         for body in sim.requests
-        if body.get("prompt") != "Narwhal token probe"
+        if body.get("prompt") != "Narwhal token probe" and body.get("user") != PROBE_USER
     ]
 
 

@@ -329,6 +329,8 @@ async def test_an_engine_answering_503_to_health_leaves_placement_at_the_next_po
         "token_accounting": "token_ids",
         "wave": "a",
         "occupancy": {"prefill": 0, "decode": 0},
+        "profiled": True,
+        "drift": {"ttft": 1.0, "tpot": 1.0, "state": "warming"},
     }
     sent_at = trio.current_time()
     for _ in range(3):

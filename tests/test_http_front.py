@@ -260,6 +260,8 @@ async def test_models_health_ready_metrics(
             "token_accounting",
             "wave",
             "occupancy",
+            "profiled",
+            "drift",
         }
         assert engine["occupancy"] == {"prefill": 0, "decode": 0}
     text = (await fleet.client.get("/metrics")).text

@@ -184,7 +184,7 @@ async def test_a_malformed_engine_never_wedges_the_router(nursery: trio.Nursery)
         engines=(EngineConfig(name="raw", url=url, token_ids=False),),
         serving=ServingConfig(model=MODEL),
         upstream=UpstreamConfig(max_connections=4, read_timeout_s=5.0),
-        monitoring=MonitoringConfig(failure_threshold=1000),
+        monitoring=MonitoringConfig(failure_threshold=1000, profiling=False),
     )
     app = create_app(config)
     with trio.fail_after(60):

@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from narwhal.config import EngineConfig
+from narwhal.scheduling.drift import Drift, DriftStatistics
 from narwhal.scheduling.forecast import PrefillForecast
 from narwhal.scheduling.health import (
     Change,
@@ -71,6 +72,8 @@ class EngineStatistics:
     failed: int
     prefill_scale: float
     health: HealthStatistics
+    profiled: bool = False
+    drift: DriftStatistics = attrs.field(factory=lambda: Drift().statistics())
 
 
 @attrs.define(eq=False)
@@ -96,6 +99,43 @@ class Engine:
     # The engine's own object for the served model, from its ``/v1/models`` (vLLM's carries
     # ``max_model_len``, ``root``, ``owned_by``...); ``None`` until a poll has read it.
     model_card: dict[str, object] | None = None
+    # Profiling (narwhal.upstream.profiling) fits the forecast before the engine joins, and
+    # again when it drifts (narwhal.scheduling.drift).
+    drift: Drift = attrs.field(factory=Drift)
+    profiled: bool = False
+
+    @property
+    def placement_penalty(self) -> float:
+        """What placement multiplies this engine's predicted wait by (1.0: no drift; the drift
+        ratio while drift is sustained; see :attr:`narwhal.scheduling.drift.Drift.penalty`)."""
+        return self.drift.penalty
+
+    @property
+    def wants_profile(self) -> bool:
+        """Whether the health poller should (re-)profile the engine when it is idle."""
+        return not self.profiled or self.drift.wants_profile
+
+    def observe_ttft(self, observed_s: float, predicted_s: float) -> None:
+        """A first token, ``observed_s`` after placement where ``predicted_s`` was predicted.
+
+        Sustained and severe drift penalise placement (:attr:`placement_penalty`) and ask for
+        a re-profiling when the engine is next idle (:attr:`wants_profile`).
+        """
+        self.drift.observe_ttft(observed_s, predicted_s)
+
+    def observe_tpot(self, observed_s: float, predicted_s: float) -> None:
+        """A request's gaps came ``observed_s`` per token where ``predicted_s`` was predicted."""
+        self.drift.observe_tpot(observed_s, predicted_s)
+
+    def hold(self, reason: str) -> Change | None:
+        """Keep the engine out of placement for ``reason`` (see :meth:`EngineHealth.hold`)."""
+        return self._changed(self.health.hold(reason))
+
+    def profiled_now(self) -> Change | None:
+        """A profiling succeeded: its drift starts again and any hold ends."""
+        self.profiled = True
+        self.drift.reset()
+        return self._changed(self.health.release())
 
     @property
     def max_model_len(self) -> int | None:
@@ -156,7 +196,7 @@ class Engine:
     def _changed(self, change: Change | None) -> Change | None:
         # Joining or closing may make queued requests placeable; opening may make them
         # unservable (the dispatcher then refuses them at once).
-        if change in ("joined", "opened", "closed"):
+        if change in ("joined", "opened", "closed", "held", "released"):
             self.pool_changed()
         if change == "opened":
             for attempt in self.attempts:
@@ -183,6 +223,8 @@ class Engine:
             failed=self.failed,
             prefill_scale=self.forecast.scale,
             health=health,
+            profiled=self.profiled,
+            drift=self.drift.statistics(),
         )
 
 
@@ -204,6 +246,9 @@ class Slot:
     context_tokens: int = 0
     generated_tokens: int = 0
     key: int = 0
+    gaps_observed_s: float = 0.0
+    gaps_predicted_s: float = 0.0
+    gap_tokens: int = 0
 
     @classmethod
     def take(
@@ -224,7 +269,13 @@ class Slot:
 
     def observe_gap(self, gap_s: float, tokens: int) -> None:
         """Time between two output events of this request, which carried ``tokens`` tokens."""
-        self.engine.forecast.observe_gap(gap_s, max(1, tokens))
+        tokens = max(1, tokens)
+        forecast = self.engine.forecast
+        # Drift counts each request once, at its end: its gaps against their predictions.
+        self.gaps_observed_s += gap_s
+        self.gaps_predicted_s += forecast.tpot_s() * tokens
+        self.gap_tokens += tokens
+        forecast.observe_gap(gap_s, tokens)
 
     @property
     def predicted_ttft_s(self) -> float:
@@ -244,6 +295,7 @@ class Slot:
         self.context_tokens = self.prompt_tokens
         now = trio.current_time()
         if observed:
+            engine.observe_ttft(now - self.placed_at, self.predicted_ttft_s)
             engine.forecast.saw_step(now)
             engine.forecast.first_token(
                 self.key,
@@ -281,6 +333,9 @@ class Slot:
         elif self.phase == "decode":
             engine.decode -= 1
             engine.forecast.finish_decode(self.context_tokens)
+            if self.gap_tokens:
+                tokens = self.gap_tokens
+                engine.observe_tpot(self.gaps_observed_s / tokens, self.gaps_predicted_s / tokens)
         else:
             return
         self.phase = "released"

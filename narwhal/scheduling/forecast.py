@@ -314,3 +314,11 @@ class PrefillForecast:
         """A decoding request ended, releasing its context."""
         self.decoding = max(0, self.decoding - 1)
         self.decode_context = max(0, self.decode_context - context_tokens)
+
+    def calibrate(self, *, scale: float, latency_s: float, decode_scale: float) -> None:
+        """Take the model a profiling measured (:mod:`narwhal.upstream.profiling`): observed
+        prefill ``latency_s + scale * profiled compute``, decode ``decode_scale`` times the
+        profile's step."""
+        self.scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], scale))
+        self.latency_s = min(_LATENCY_BOUNDS[1], max(_LATENCY_BOUNDS[0], latency_s))
+        self.decode_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], decode_scale))

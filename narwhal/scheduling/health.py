@@ -15,6 +15,11 @@ it saw; the exchange reports what requests met. Both feed one machine::
   made; a poll answered an error status or did not list the model) opens it at once.
 * After ``open_s`` the circuit is **half-open**: still ineligible, it waits for the next poll,
   the probe. A good probe closes the circuit, a failed one opens it for another ``open_s``.
+* A **hold** keeps a healthy engine out of placement for a reason that is not its circuit:
+  ``profiling`` while its probes run, ``profiling_failed: ...`` until a profiling succeeds,
+  ``drift: ...`` while its severe drift waits for a re-profiling
+  (:mod:`narwhal.upstream.profiling`, :mod:`narwhal.scheduling.drift`). ``/ready`` shows the
+  hold as the reason of a joining or ready engine; an open circuit's reason comes first.
 
 Only failures that say the engine is unresponsive count for requests (no connection, a timeout,
 a broken connection). An engine's 5xx answer, in-band error or malformed event can be caused by
@@ -44,8 +49,9 @@ says no (an error status, the model not listed)."""
 
 HealthState = Literal["joining", "ready", "open", "half_open"]
 
-Change = Literal["joined", "opened", "closed", "reopened"]
-"""What a report changed: ``joined``, ``opened`` and ``closed`` change eligibility."""
+Change = Literal["joined", "opened", "closed", "reopened", "held", "released"]
+"""What a report changed: ``joined``, ``opened``, ``closed``, ``held`` and ``released`` change
+eligibility."""
 
 _DECISIVE: frozenset[FailureKind] = frozenset({"connect", "unhealthy"})
 
@@ -109,6 +115,7 @@ class EngineHealth:
     _polls: int = attrs.field(default=0, init=False)
     _failed_polls: int = attrs.field(default=0, init=False)
     _failed_requests: int = attrs.field(default=0, init=False)
+    _hold: str | None = attrs.field(default=None, init=False)
 
     @property
     def eligible(self) -> bool:
@@ -117,7 +124,25 @@ class EngineHealth:
         Eligibility needs no time: leaving the cool-down makes the circuit half-open, which is
         still ineligible; only a good probe (a report) makes the engine eligible again.
         """
-        return self._state == "ready"
+        return self._state == "ready" and self._hold is None
+
+    @property
+    def held(self) -> str | None:
+        """The hold keeping the engine out of placement (``None``: none; see the module doc)."""
+        return self._hold
+
+    def hold(self, reason: str) -> Change | None:
+        """Keep the engine out of placement for ``reason`` (replacing any hold); ``held``
+        when that made an eligible engine ineligible."""
+        was = self.eligible
+        self._hold = reason
+        return "held" if was else None
+
+    def release(self) -> Change | None:
+        """End the hold; ``released`` when that made the engine eligible again."""
+        was = self.eligible
+        self._hold = None
+        return "released" if self.eligible and not was else None
 
     @property
     def joined(self) -> bool:
@@ -137,6 +162,8 @@ class EngineHealth:
     def reason(self, now: float) -> str | None:
         """Why the engine is not eligible (``None`` when it is), as ``/ready`` shows it."""
         state = self.state(now)
+        if state in ("ready", "joining") and self._hold is not None:
+            return self._hold
         if state == "ready":
             return None
         if state == "joining":

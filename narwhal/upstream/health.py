@@ -10,6 +10,13 @@ router's ``/v1/models`` serves. Polls run every ``monitoring.poll_interval_s``; 
 circuit is open they wait for the end of its cool-down, and the first poll after it is the
 half-open probe.
 
+Profiling (:mod:`narwhal.upstream.profiling`): an engine that passed its poll and token-ID
+probe is profiled before it joins; a profiling that fails keeps it out (reason
+``profiling_failed: ...``) and is tried again at the next poll. A joined engine whose drift asks
+for it, or that a hold keeps out of placement, is re-profiled at the first poll that finds it
+holding no placed request. ``monitoring.profiling = false`` turns profiling off (the engine
+joins on the profile's constants).
+
 Requests report here too: :func:`open_stream` tells the engine it answered,
 :func:`record_failure` turns an attempt's failure into a health report when it says the engine
 is unresponsive (no connection, a timeout, a broken connection).
@@ -45,6 +52,7 @@ from narwhal.upstream.client import (
     UpstreamStream,
     transport_kind,
 )
+from narwhal.upstream.profiling import ProfilingFailed, profile_engine
 
 __all__ = ["HealthPoller", "client_of", "open_stream", "record_failure", "transport_failure"]
 
@@ -153,6 +161,10 @@ def _log_change(engine: Engine, change: Change | None, *, warned: bool = False) 
         log.info("engine %s stays out of placement: %s", engine.name, reason)
     elif change == "closed":
         log.warning("engine %s is back in placement (circuit closed)", engine.name)
+    elif change == "held":
+        log.info("engine %s out of placement: %s", engine.name, reason)
+    elif change == "released":
+        log.info("engine %s is back in placement (profiled)", engine.name)
     elif change == "joined":
         log.log(
             logging.WARNING if warned else logging.INFO,
@@ -177,7 +189,10 @@ class HealthPoller:
         model: ``serving.model``, which the engine's ``/v1/models`` must list.
         interval_s: ``monitoring.poll_interval_s``, from the start of one poll to the next.
         timeout_s: ``monitoring.poll_timeout_s``, the longest a poll waits.
-        probe_timeout_s: the longest the token-ID probe (a two-token completion) waits.
+        probe_timeout_s: the longest the token-ID probe (a two-token completion) and each
+            profiling probe wait.
+        profiling: ``monitoring.profiling``: profile the engine before it joins, and again
+            when it drifts.
     """
 
     engine: Engine
@@ -185,8 +200,11 @@ class HealthPoller:
     interval_s: float
     timeout_s: float
     probe_timeout_s: float
+    profiling: bool = True
     _warned: bool = attrs.field(default=False, init=False)
     _told: str | None = attrs.field(default=None, init=False)
+    _profilings: int = attrs.field(default=0, init=False)
+    _profiling_told: str | None = attrs.field(default=None, init=False)
 
     @classmethod
     def for_engine(cls, engine: Engine, config: Config) -> HealthPoller:
@@ -198,6 +216,7 @@ class HealthPoller:
             interval_s=monitoring.poll_interval_s,
             timeout_s=monitoring.poll_timeout_s,
             probe_timeout_s=config.upstream.read_timeout_s,
+            profiling=monitoring.profiling,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -214,7 +233,8 @@ class HealthPoller:
             await self.poll()
 
     async def poll(self) -> None:
-        """One poll (with the token-ID probe while the engine has not joined), reported."""
+        """One poll (with the token-ID probe and the profiling while the engine has not
+        joined; a re-profiling when it is due and the engine idle), reported."""
         engine = self.engine
         failure = await self._check()
         now = trio.current_time()
@@ -225,7 +245,58 @@ class HealthPoller:
             else:
                 _log_change(engine, change)
             return
+        if not engine.health.joined:
+            if self.profiling and not await self.profile():
+                return  # joins once a profiling succeeds
+            now = trio.current_time()
         _log_change(engine, engine.poll_succeeded(now), warned=self._warned)
+        if (
+            self.profiling
+            and engine.wants_profile
+            and not engine.slots
+            and engine.health.state(trio.current_time()) == "ready"
+        ):
+            await self.profile()
+
+    async def profile(self) -> bool:
+        """Profile the engine now (held out of placement meanwhile); whether it succeeded."""
+        engine = self.engine
+        _log_change(engine, engine.hold("profiling"))
+        self._profilings += 1
+        try:
+            fit = await profile_engine(
+                engine,
+                client_of(engine),
+                self.model,
+                timeout_s=self.probe_timeout_s,
+                attempt=self._profilings,
+            )
+        except ProfilingFailed as failed:
+            engine.hold(f"profiling_failed: {failed.detail}")
+            if failed.detail != self._profiling_told:
+                log.warning(
+                    "engine %s: profiling failed: %s; retrying at the next poll",
+                    engine.name,
+                    failed.detail,
+                )
+            self._profiling_told = failed.detail
+            return False
+        self._profiling_told = None
+        engine.forecast.calibrate(
+            scale=fit.scale, latency_s=fit.latency_s, decode_scale=fit.decode_scale
+        )
+        log.info(
+            "engine %s profiled: prefill scale %.3g, latency %.3g s, decode scale %.3g (%s)",
+            engine.name,
+            engine.forecast.scale,
+            engine.forecast.latency_s,
+            engine.forecast.decode_scale,
+            ", ".join(
+                f"{tokens} tokens {seconds * 1000:.1f} ms" for tokens, seconds in fit.prefill
+            ),
+        )
+        _log_change(engine, engine.profiled_now())
+        return True
 
     def _not_joined(self, failure: Failure) -> None:
         if not self._warned:

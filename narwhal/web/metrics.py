@@ -68,15 +68,30 @@ class _RouterCollector(Collector):
         eligible = GaugeMetricFamily(
             "narwhal_engine_eligible", "1 when the engine may take new work", labels=["engine"]
         )
+        profiled = GaugeMetricFamily(
+            "narwhal_engine_profiled",
+            "1 once a profiling measured the engine (its forecast is fitted to it)",
+            labels=["engine"],
+        )
+        drift = GaugeMetricFamily(
+            "narwhal_engine_drift_ratio",
+            "Running ratio of observed to predicted time per engine and phase (ttft, tpot)",
+            labels=["engine", "phase"],
+        )
         for engine in stats.engines:
             occupancy.add_metric([engine.name, "prefill"], engine.prefill)
             occupancy.add_metric([engine.name, "decode"], engine.decode)
             eligible.add_metric([engine.name], int(engine.eligible))
+            profiled.add_metric([engine.name], int(engine.profiled))
+            drift.add_metric([engine.name, "ttft"], engine.drift.ttft)
+            drift.add_metric([engine.name, "tpot"], engine.drift.tpot)
         yield occupancy
         yield eligible
+        yield profiled
+        yield drift
         factor = GaugeMetricFamily(
             "narwhal_admission_safety_factor",
-            "What predictive admission multiplies its typical TTFT projection by",
+            "What predictive admission multiplies the predicted wait by (the wait factor)",
         )
         factor.add_metric([], self._router.margin.factor)
         yield factor

@@ -1,0 +1,158 @@
+"""Drift: how far an engine runs from what its forecast predicts (pure, no I/O).
+
+Two running ratios per engine, observed over predicted:
+
+* **TTFT**, once per request: the time from placement to the first token, over the prediction
+  made at placement (:attr:`~narwhal.scheduling.engines.Slot.predicted_first_token_at`);
+* **TPOT**, once per request, at its end: its inter-token gaps per token, over the forecast's
+  time per output token at each gap (:meth:`~narwhal.scheduling.forecast.PrefillForecast.tpot_s`).
+
+Each is an exponentially weighted moving average of the per-request ratio, each request
+weighing 0.2. A few milliseconds are added to both sides of every ratio
+(:data:`FLOOR_S`) so that the jitter of tiny predictions is not read as drift. The state:
+
+* ``warming``: fewer than :attr:`Drift.warm_up` requests of either phase since the last reset;
+* ``ok``: both ratios inside ``1 / 1.5 .. 1.5``;
+* ``sustained``: a ratio beyond 1.5 for :attr:`Drift.sustain` requests in a row. The engine's
+  placement is penalised (:attr:`Drift.penalty`, the worse ratio) and it is re-profiled when it
+  next holds no request;
+* ``severe``: a ratio beyond 3 for :attr:`Drift.sustain` requests in a row: penalised and
+  re-profiled as sustained drift is (taking such an engine out of placement, reason
+  ``drift``, is not done yet: :meth:`EngineHealth.hold` is the means).
+
+An engine faster than its forecast (a ratio below ``1 / 1.5``) is reported ``fast``: it is not
+penalised, and it is re-profiled when idle so that its speed is used.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+__all__ = ["FLOOR_S", "Drift", "DriftRatio", "DriftState", "DriftStatistics"]
+
+DriftState = Literal["warming", "ok", "fast", "sustained", "severe"]
+
+FLOOR_S = 0.005
+"""Seconds added to the observed and the predicted time of every sample."""
+
+_RATIO_BOUNDS = (0.1, 10.0)  # one sample moves the average by at most this much
+
+
+@attrs.define
+class DriftRatio:
+    """One phase's running ratio of observed to predicted time.
+
+    Attributes:
+        weight: each sample's weight in the moving average.
+        ratio: the moving average (1.0: on the forecast).
+        samples: samples seen since the last reset.
+        above: samples in a row with the average beyond the sustained threshold.
+        far_above: samples in a row with the average beyond the severe threshold.
+        below: samples in a row with the average below the inverse of the sustained threshold.
+    """
+
+    weight: float
+    ratio: float = 1.0
+    samples: int = 0
+    above: int = 0
+    far_above: int = 0
+    below: int = 0
+
+    def observe(
+        self, observed_s: float, predicted_s: float, *, sustained: float, severe: float
+    ) -> None:
+        """One sample: ``observed_s`` where ``predicted_s`` was predicted."""
+        if not (observed_s >= 0 and predicted_s >= 0):  # NaN or negative: no sample
+            return
+        sample = (observed_s + FLOOR_S) / (predicted_s + FLOOR_S)
+        sample = min(max(sample, _RATIO_BOUNDS[0]), _RATIO_BOUNDS[1])
+        self.ratio += self.weight * (sample - self.ratio)
+        self.samples += 1
+        self.above = self.above + 1 if self.ratio > sustained else 0
+        self.far_above = self.far_above + 1 if self.ratio > severe else 0
+        self.below = self.below + 1 if self.ratio < 1 / sustained else 0
+
+
+@attrs.frozen
+class DriftStatistics:
+    """A snapshot of one engine's drift, as ``/ready`` and ``/metrics`` show it."""
+
+    ttft: float
+    tpot: float
+    state: DriftState
+    penalty: float
+
+    def as_json(self) -> dict[str, object]:
+        """The ``drift`` object of an engine in ``/ready``."""
+        return {"ttft": round(self.ttft, 3), "tpot": round(self.tpot, 3), "state": self.state}
+
+
+@attrs.define
+class Drift:
+    """One engine's drift (see the module doc).
+
+    Attributes:
+        sustained_at: the ratio beyond which drift is sustained (after ``sustain`` samples).
+        severe_at: the ratio beyond which drift is severe (after ``sustain`` samples).
+        sustain: samples in a row a ratio must stay beyond a threshold.
+        warm_up: samples of a phase before it can leave ``warming``.
+    """
+
+    sustained_at: float = 1.5
+    severe_at: float = 3.0
+    sustain: int = 8
+    warm_up: int = 10
+    ttft: DriftRatio = attrs.field(factory=lambda: DriftRatio(0.2))
+    tpot: DriftRatio = attrs.field(factory=lambda: DriftRatio(0.2))
+
+    def observe_ttft(self, observed_s: float, predicted_s: float) -> DriftState:
+        """A first token arrived ``observed_s`` after placement; return the new state."""
+        self.ttft.observe(
+            observed_s, predicted_s, sustained=self.sustained_at, severe=self.severe_at
+        )
+        return self.state
+
+    def observe_tpot(self, observed_s: float, predicted_s: float) -> DriftState:
+        """A request's inter-token gaps came ``observed_s`` per token; return the new state."""
+        self.tpot.observe(
+            observed_s, predicted_s, sustained=self.sustained_at, severe=self.severe_at
+        )
+        return self.state
+
+    @property
+    def state(self) -> DriftState:
+        """The drift state now (see the module doc)."""
+        phases = [p for p in (self.ttft, self.tpot) if p.samples >= self.warm_up]
+        if not phases:
+            return "warming"
+        if any(p.far_above >= self.sustain for p in phases):
+            return "severe"
+        if any(p.above >= self.sustain for p in phases):
+            return "sustained"
+        if any(p.below >= self.sustain for p in phases):
+            return "fast"
+        return "ok"
+
+    @property
+    def wants_profile(self) -> bool:
+        """Whether the engine should be re-profiled (sustained, severe or fast drift)."""
+        return self.state in ("sustained", "severe", "fast")
+
+    @property
+    def penalty(self) -> float:
+        """What placement multiplies the engine's predicted wait by: 1.0 unless drift is
+        sustained or severe, then the worse of the two ratios (at least 1)."""
+        if self.state not in ("sustained", "severe"):
+            return 1.0
+        return max(1.0, self.ttft.ratio, self.tpot.ratio)
+
+    def reset(self) -> None:
+        """Start again (the engine was just profiled: its forecast is new)."""
+        self.ttft = DriftRatio(self.ttft.weight)
+        self.tpot = DriftRatio(self.tpot.weight)
+
+    def statistics(self) -> DriftStatistics:
+        """A frozen snapshot."""
+        return DriftStatistics(self.ttft.ratio, self.tpot.ratio, self.state, self.penalty)

@@ -1,0 +1,263 @@
+"""Engine profiling: probe requests of known size fit an engine's forecast before it serves.
+
+An engine is profiled when it joins (after its token-ID probe, before it is eligible) and when
+its drift asks for it (:mod:`narwhal.scheduling.drift`). The measurement, on an idle engine:
+
+* **prefill**: one ``/v1/completions`` request per prompt size in :data:`PROMPT_SIZES` (clipped
+  to the engine's ``max_model_len`` and to one step's ``max_num_batched_tokens``), twice each,
+  with token-ID prompts (so that the size is exact whatever the tokenizer) of fresh random IDs
+  (so that no prefix cache serves them) and ``max_tokens: 1``. The time to the first output
+  event, the fastest of the two, is the observed time to first token.
+* **decode**: one streamed request of :data:`DECODE_TOKENS` tokens (``ignore_eos`` for the
+  vLLM and SGLang dialects; the simulator's answers are never shorter), whose seven inter-token
+  gaps are measured per token.
+
+The fit: ``observed = latency + scale * compute`` by least squares over the prompt sizes
+(``compute`` is the profile's time for the prompt alone on an idle engine, what the forecast
+itself computes), with the latency at least 0; ``decode_scale`` is the median of each gap per
+token over the profile's decode step for one sequence at that context. The result goes to
+:meth:`~narwhal.scheduling.forecast.PrefillForecast.calibrate`.
+
+A probe that errs, times out or returns invalid token IDs (where the engine provides them;
+also a ``prompt_token_ids`` of another length than the prompt sent) fails the profiling:
+:class:`ProfilingFailed` carries a short detail, safe for ``/ready``.
+
+Probes go straight to the engine's client: the router's books (offered, completed) never see
+them. They run only while the engine holds no placed request, and the engine is held out of
+placement while they run (reason ``profiling``), so they neither meet live traffic nor need a
+correction for it: an engine that drifts while busy is penalised in placement until it is idle
+enough to be re-profiled, or taken out of placement by severe drift, which drains it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+from collections.abc import Sequence
+
+import attrs
+import orjson
+import trio
+
+from narwhal.errors import EngineRejectedRequest, NarwhalError
+from narwhal.scheduling.engines import Engine
+from narwhal.scheduling.profiles import EngineProfile
+from narwhal.upstream.client import ChunkEvent, DoneEvent, EngineClient, ErrorFrameEvent
+
+__all__ = [
+    "DECODE_TOKENS",
+    "PROBE_USER",
+    "PROMPT_SIZES",
+    "ProfileFit",
+    "ProfilingFailed",
+    "fit_decode",
+    "fit_prefill",
+    "probe_sizes",
+    "profile_engine",
+]
+
+log = logging.getLogger(__name__)
+
+PROMPT_SIZES = (64, 512, 2048)
+"""The prompt sizes of the prefill probes, in tokens."""
+
+DECODE_TOKENS = 8
+"""The output tokens asked of the decode probe."""
+
+PROBE_USER = "narwhal-profiling"
+"""The ``user`` field of every profiling probe, which tells them apart in an engine's logs."""
+
+_DECODE_PROMPT = 64
+_ROUNDS = 2  # probes per prompt size; the fastest counts
+_MIN_GAPS = 3
+_ID_RANGE = (100, 10_000)  # token IDs every vocabulary of interest holds
+
+
+class ProfilingFailed(Exception):
+    """A profiling measurement failed; ``detail`` is safe to show in ``/ready``."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+@attrs.frozen
+class ProfileFit:
+    """What a profiling measured and fitted.
+
+    Attributes:
+        scale: observed over profiled prefill compute.
+        latency_s: time to first token that does not depend on the prompt.
+        decode_scale: observed over profiled decode step.
+        prefill: ``(prompt tokens, observed time to first token)`` per size.
+        gaps: the inter-token gaps the decode fit used.
+    """
+
+    scale: float
+    latency_s: float
+    decode_scale: float
+    prefill: tuple[tuple[int, float], ...]
+    gaps: int
+
+
+def probe_sizes(profile: EngineProfile, max_model_len: int | None) -> tuple[int, ...]:
+    """The prompt sizes to probe: :data:`PROMPT_SIZES` clipped to what one step and the
+    engine's context hold (leaving room for the output token), without duplicates."""
+    room = profile.max_num_batched_tokens
+    if max_model_len is not None:
+        room = min(room, max_model_len - DECODE_TOKENS - 1)
+    room = max(1, room)
+    return tuple(sorted({min(size, room) for size in PROMPT_SIZES}))
+
+
+def compute_s(profile: EngineProfile, tokens: int) -> float:
+    """A prompt's profiled compute alone on an idle engine, as the forecast counts it."""
+    budget = max(1, profile.max_num_batched_tokens)
+    steps = -(-tokens // budget)
+    return (profile.prefill_chunk_ms(0, tokens) + steps * profile.prefill_base_ms) / 1000
+
+
+def fit_prefill(
+    profile: EngineProfile, samples: Sequence[tuple[int, float]]
+) -> tuple[float, float]:
+    """``(scale, latency_s)`` fitting ``observed = latency + scale * compute`` (least squares,
+    latency at least 0) over ``(prompt tokens, observed seconds)`` samples."""
+    xs = [compute_s(profile, tokens) for tokens, _ in samples]
+    ys = [observed for _, observed in samples]
+    if not xs:
+        raise ValueError("no prefill sample")
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread > 0:
+        scale = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+        latency = mean_y - scale * mean_x
+        if latency >= 0 and scale > 0:
+            return scale, latency
+    # One size only, or a negative intercept: all of it is compute.
+    scale = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return max(scale, 0.0), 0.0
+
+
+def fit_decode(
+    profile: EngineProfile, prompt_tokens: int, gaps: Sequence[tuple[float, int]]
+) -> float:
+    """The decode scale: the median over ``(gap seconds, tokens)`` of the gap per token over the
+    profile's step for one sequence at that context (the context grows by each gap's tokens)."""
+    ratios = []
+    context = prompt_tokens + 1  # the first token came with the prefill
+    for gap_s, tokens in gaps:
+        expected = profile.decode_step_ms(1, context) / 1000
+        ratios.append(gap_s / tokens / expected)
+        context += tokens
+    if not ratios:
+        raise ValueError("no gap")
+    return statistics.median(ratios)
+
+
+async def profile_engine(
+    engine: Engine, client: EngineClient, model: str, *, timeout_s: float, attempt: int = 0
+) -> ProfileFit:
+    """Measure ``engine`` (idle, out of placement) and fit its model; each probe waits at most
+    ``timeout_s``.
+
+    Raises:
+        ProfilingFailed: a probe erred, timed out or returned invalid token IDs.
+    """
+    profile = engine.forecast.profile
+    ids = random.Random(f"{engine.name}:{attempt}")
+    samples = []
+    for size in probe_sizes(profile, engine.max_model_len):
+        times = []
+        for _ in range(_ROUNDS):
+            prompt = [ids.randrange(*_ID_RANGE) for _ in range(size)]
+            ttft_s, _ = await _probe(engine, client, model, prompt, 1, timeout_s)
+            times.append(ttft_s)
+        samples.append((size, min(times)))
+    prompt = [ids.randrange(*_ID_RANGE) for _ in range(min(_DECODE_PROMPT, samples[0][0]))]
+    _, gaps = await _probe(engine, client, model, prompt, DECODE_TOKENS, timeout_s)
+    scale, latency_s = fit_prefill(profile, samples)
+    if len(gaps) >= _MIN_GAPS:
+        decode_scale = fit_decode(profile, len(prompt), gaps)
+    else:  # the engine ended the answer early: keep what the forecast has
+        decode_scale = engine.forecast.decode_scale
+    return ProfileFit(scale, latency_s, decode_scale, tuple(samples), len(gaps))
+
+
+async def _probe(
+    engine: Engine,
+    client: EngineClient,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float,
+) -> tuple[float, list[tuple[float, int]]]:
+    """One probe: its time to first token and its later gaps as ``(seconds, tokens)``."""
+    with trio.move_on_after(timeout_s) as scope:
+        result = await _measure(engine, client, model, prompt, max_tokens)
+    if scope.cancelled_caught:
+        raise ProfilingFailed(f"no answer to a {len(prompt)}-token probe within {timeout_s:g} s")
+    return result
+
+
+async def _measure(
+    engine: Engine, client: EngineClient, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float, list[tuple[float, int]]]:
+    with_ids = engine.provides_token_ids
+    request: dict[str, object] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "user": PROBE_USER,
+    }
+    if engine.config.dialect in ("vllm", "sglang") and max_tokens > 1:
+        request["ignore_eos"] = True
+    if with_ids:
+        request["return_token_ids"] = True
+        request["stream_interval"] = 1
+    size = len(prompt)
+    started = trio.current_time()
+    first: float | None = None
+    last = started
+    gaps: list[tuple[float, int]] = []
+    try:
+        body = orjson.dumps(request)
+        async with await client.open_stream("completions", body, ids_required=with_ids) as stream:
+            while True:
+                event = await stream.next_event()
+                if isinstance(event, DoneEvent):
+                    break
+                if isinstance(event, ErrorFrameEvent):
+                    log.info("engine %s: profiling probe error: %s", engine.name, event.message())
+                    raise ProfilingFailed(f"the {size}-token probe got an error")
+                assert isinstance(event, ChunkEvent)
+                _check_prompt_ids(event, size)
+                facts = event.facts
+                tokens = facts.token_ids if with_ids else int(facts.output)
+                if not tokens:
+                    continue
+                now = trio.current_time()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append((now - last, tokens))
+                last = now
+    except EngineRejectedRequest as exc:
+        log.info("engine %s refused a profiling probe: %s", engine.name, exc.message)
+        raise ProfilingFailed(f"the engine refused the {size}-token probe") from exc
+    except NarwhalError as exc:
+        log.info("engine %s: profiling probe failed: %s", engine.name, exc)
+        what = "invalid token IDs" if "token_ids" in (exc.param or "") else "failed"
+        raise ProfilingFailed(f"the {size}-token probe: {what}") from exc
+    if first is None:
+        raise ProfilingFailed(f"the {size}-token probe got no token")
+    return first - started, gaps
+
+
+def _check_prompt_ids(event: ChunkEvent, size: int) -> None:
+    for choice in event.chunk.get("choices") or ():
+        ids = choice.get("prompt_token_ids") if isinstance(choice, dict) else None
+        if ids is not None and (type(ids) is not list or len(ids) != size):
+            raise ProfilingFailed(f"the {size}-token probe: invalid prompt token IDs")
