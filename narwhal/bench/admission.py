@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import math
 import multiprocessing
 import os
 import random
@@ -43,9 +44,10 @@ from narwhal.bench.goodput import (
     evaluate,
     replay_figures,
 )
-from narwhal.bench.inprocess import Slowdown
+from narwhal.bench.inprocess import Slowdown, engine_cap_supported
 from narwhal.bench.procstat import environment
 from narwhal.bench.replay import (
+    MODE_DESCRIPTIONS,
     CapacityJob,
     MemoryJob,
     MemoryResult,
@@ -62,6 +64,8 @@ __all__ = [
     "DEFAULT_LOADS",
     "AdmissionSettings",
     "capacity_phases",
+    "default_modes",
+    "queue_cap_for",
     "run_admission",
     "sample_refusals",
     "with_engine_time",
@@ -72,7 +76,13 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 DEFAULT_LOADS = (0.5, 1.0, 2.0, 3.0)
-MODES = ("predictive", "open")
+MODES = ("predictive", "open", "queue-cap", "engine-cap")
+"""Every mode the benchmark runs (:data:`~narwhal.bench.replay.MODE_DESCRIPTIONS`)."""
+
+
+def default_modes() -> tuple[str, ...]:
+    """The modes run by default: all of them, ``engine-cap`` where the simulator has it."""
+    return MODES if engine_cap_supported() else tuple(m for m in MODES if m != "engine-cap")
 
 
 @attrs.frozen
@@ -82,8 +92,13 @@ class AdmissionSettings:
     Attributes:
         setup: the router, engines, trace and seed shared by every run.
         loads: offered loads, as multiples of the measured capacity.
-        modes: admission modes compared (``predictive`` carries the verdicts).
+        modes: admission modes compared (``predictive`` carries the verdicts; the baselines
+            ``queue-cap`` and ``engine-cap`` are what it must beat).
         budget_s: the TTFT budget (``admission.ttft_budget_s``).
+        queue_cap: the router's queue cap in ``queue-cap`` mode (``None``: the requests the
+            pool completes in one budget, ``ceil(capacity.rps * budget_s)``).
+        max_num_queued_tokens: every engine's cap in ``engine-cap`` mode (``None``: per engine,
+            the budget times its prefill throughput, :meth:`VirtualSetup.engine_caps`).
         capacity: a capacity to use instead of measuring one.
         capacity_warmup_s: least virtual seconds of the capacity loop before measuring (it
             also waits for the loop's first wave to end).
@@ -101,14 +116,16 @@ class AdmissionSettings:
 
     setup: VirtualSetup
     loads: tuple[float, ...] = DEFAULT_LOADS
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = attrs.field(factory=default_modes)
     budget_s: float = 2.0
+    queue_cap: int | None = None
+    max_num_queued_tokens: int | None = None
     capacity: Capacity | None = None
     capacity_warmup_s: float = 30.0
     capacity_window_s: float = 90.0
     capacity_passes: float = 1.0
     warmup_fraction: float = 0.2
-    false_refusal_samples: tuple[tuple[float, int], ...] = ((0.5, 20),)
+    false_refusal_samples: tuple[tuple[float, int], ...] = ((0.5, 50),)
     false_refusal_default: int = 3
     memory: bool = True
     jobs: int = 1
@@ -135,6 +152,9 @@ class AdmissionSettings:
             "admission": admission,
             "loads": list(self.loads),
             "modes": list(self.modes),
+            "mode_descriptions": {mode: MODE_DESCRIPTIONS[mode] for mode in self.modes},
+            "queue_cap": self.queue_cap,
+            "max_num_queued_tokens": self.max_num_queued_tokens,
             "budget_s": self.budget_s,
             "capacity_given": self.capacity is not None,
             "capacity_warmup_s": self.capacity_warmup_s,
@@ -219,9 +239,27 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
     )
 
     phase = time.perf_counter()
+    queue_cap = settings.queue_cap or queue_cap_for(capacity, settings.budget_s)
+    engine_caps = (
+        tuple(settings.max_num_queued_tokens for _ in setup.router.engines)
+        if settings.max_num_queued_tokens is not None
+        else setup.engine_caps(settings.budget_s)
+    )
+    baselines = {"queue_cap": queue_cap, "max_num_queued_tokens": list(engine_caps)}
+    if "queue-cap" in settings.modes:
+        echo(f"queue-cap: router queue cap {queue_cap}")
+    if "engine-cap" in settings.modes:
+        echo(f"engine-cap: --max-num-queued-tokens {', '.join(map(str, engine_caps))}")
     plan = [(load, mode) for load in settings.loads for mode in settings.modes]
     jobs = [
-        ReplayJob(setup, mode, capacity.rps * load, settings.budget_s)  # type: ignore[arg-type]
+        ReplayJob(
+            setup,
+            mode,  # type: ignore[arg-type]
+            capacity.rps * load,
+            settings.budget_s,
+            queue_cap=queue_cap,
+            max_num_queued_tokens=engine_caps,
+        )
         for load, mode in plan
     ]
     echo(f"replay: {len(jobs)} runs ({settings.jobs} at a time)")
@@ -257,7 +295,7 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
     )
     walls["total"] = time.perf_counter() - started
     return AdmissionReport(
-        settings=settings.as_json(),
+        settings={**settings.as_json(), "baselines": baselines},
         environment=environment(_PACKAGES),
         trace=trace_info,
         capacity=capacity,
@@ -317,6 +355,13 @@ def _measure_capacity(settings: AdmissionSettings, echo: Echo) -> Capacity:
     if len(phases) == 1 and not phases[0].slowdowns:
         return measured[()]
     return Capacity.time_weighted([(phase, measured[phase.slowdowns]) for phase in phases])
+
+
+def queue_cap_for(capacity: Capacity, budget_s: float) -> int:
+    """The ``queue-cap`` baseline's cap as a user would pick it: the requests the pool
+    completes in one budget (``ceil(capacity.rps * budget_s)``), so that the last request in
+    a full queue waits about one budget."""
+    return max(1, math.ceil(capacity.rps * budget_s))
 
 
 def with_engine_time(capacity: Capacity, setup: VirtualSetup) -> Capacity:

@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from narwhal.bench.goodput import (
+    ENGINE_BUSY,
     PASS,
     REFUSAL_CODES,
     REJECTION_CODES,
@@ -137,7 +138,8 @@ def render_runs(runs: Sequence[ReplayFigures]) -> list[str]:
             f"{run.bound_rps:>6.2f} {_pct(run.goodput_ratio):>6} "
             f"{_seconds(run.ttft_p50_s):>6} "
             f"{_seconds(run.ttft_p99_s):>6} {_count(run.outcomes, REFUSAL_CODES):>7} "
-            f"{_count(run.outcomes, REJECTION_CODES):>6} {_status(run.outcomes, '503'):>4} "
+            f"{_count(run.outcomes, REJECTION_CODES):>6} "
+            f"{_status(run.outcomes, '503') + _count(run.outcomes, {ENGINE_BUSY}):>4} "
             f"{_status(run.outcomes, '504'):>5} {run.unattainable:>5} {false_text:>6} "
             f"{_errors(run.projection):>9} {_errors(run.placement):>9}"
         )
@@ -196,6 +198,15 @@ def render_report(report: AdmissionReport) -> list[str]:
             f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "
             "(given, not measured)"
         )
+    descriptions = settings.get("mode_descriptions") or {}
+    baselines = settings.get("baselines") or {}
+    for mode, description in descriptions.items():
+        value = ""
+        if mode == "queue-cap" and baselines.get("queue_cap") is not None:
+            value = f" [cap {baselines['queue_cap']}]"
+        elif mode == "engine-cap" and baselines.get("max_num_queued_tokens"):
+            value = f" [{', '.join(map(str, baselines['max_num_queued_tokens']))} tokens]"
+        lines.append(f"mode {mode}: {description}{value}")
     lines += ["", *render_runs(report.runs), ""]
     lines += [
         "admit: admitted / offered; in-bgt: admitted with TTFT <= budget / admitted; eng: "
@@ -203,11 +214,12 @@ def render_report(report: AdmissionReport) -> list[str]:
         "second over the window; bound: min(offered, capacity) in requests per second, of the "
         "attainable requests; req: goodput / bound in requests; p50, p99: TTFT of admitted "
         "requests; refused: 429 ttft_budget_exceeded + prompt_exceeds_ttft_budget; 429cap: "
-        "queue or retention full; unatt: requests in the window whose first token, alone on an "
-        "idle engine, would miss the budget (out of the bound); false: refused requests forced "
-        "in that met the budget / sampled; arrival: error of admission's TTFT projection at "
-        "arrival (scored), median / p90; place: of the router's prediction at placement, after "
-        "the queue wait.",
+        "queue or retention full; 503: unavailable, and the engines' own 503 in engine-cap mode "
+        "(engine_busy, passed on by the router as 502); unatt: requests in the window whose "
+        "first token, alone on an idle engine, would miss the budget (out of the bound); "
+        "false: refused requests forced in that met the budget / sampled; arrival: error of "
+        "admission's TTFT projection at arrival (scored), median / p90; place: of the router's "
+        "prediction at placement, after the queue wait.",
         "",
     ]
     for run in report.runs:

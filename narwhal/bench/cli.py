@@ -22,12 +22,15 @@ import orjson
 
 from narwhal.bench.admission import (
     DEFAULT_LOADS,
+    MODES,
     AdmissionSettings,
     default_jobs,
+    default_modes,
     run_admission,
     with_engine_time,
 )
 from narwhal.bench.goodput import Capacity
+from narwhal.bench.inprocess import engine_cap_supported
 from narwhal.bench.overhead import (
     DEFAULT_LEVELS as OVERHEAD_LEVELS,
 )
@@ -321,8 +324,8 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 _DEFAULT_DURATION_S = 1200.0
 _QUICK_DURATION_S = 300.0
-_DEFAULT_SAMPLES = "20,3"
-_QUICK_SAMPLES = "5,2"
+_DEFAULT_SAMPLES = "50,3"
+_QUICK_SAMPLES = "50,2"
 
 
 def _admission_arguments(parser: argparse.ArgumentParser) -> None:
@@ -348,8 +351,24 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--modes",
-        default="predictive,open",
-        help="admission modes compared (default %(default)s)",
+        default=",".join(default_modes()),
+        help="modes compared: predictive, open, and the baselines predictive must beat, "
+        "queue-cap (open with a fixed router queue cap) and engine-cap (vLLM's "
+        "--max-num-queued-tokens on the engines) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--queue-cap",
+        type=_positive_int,
+        metavar="N",
+        help="the queue-cap baseline's router queue cap (default: the requests the pool "
+        "completes in one budget, ceil(capacity x budget))",
+    )
+    parser.add_argument(
+        "--max-num-queued-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="the engine-cap baseline's vLLM --max-num-queued-tokens on every engine (default: "
+        "per engine, the budget x the prefill throughput its profile states)",
     )
     parser.add_argument(
         "--ttft-budget-s",
@@ -515,8 +534,10 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
 
     loads = parse_floats(args.loads, "--loads")
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
-    if not modes or any(mode not in ("predictive", "open") for mode in modes):
-        raise ValueError(f"--modes: expected predictive and/or open, got {args.modes!r}")
+    if not modes or any(mode not in MODES for mode in modes):
+        raise ValueError(f"--modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
+    if "engine-cap" in modes and not engine_cap_supported():
+        raise ValueError("--modes: engine-cap needs a simulator with max_num_queued_tokens")
     count, types = _engines(args.engines)
     router = default_router(count, profile=args.profile, types=types)
     if args.narwhal_config is not None:
@@ -549,6 +570,8 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
         loads=loads,
         modes=modes,
         budget_s=args.ttft_budget_s,
+        queue_cap=args.queue_cap,
+        max_num_queued_tokens=args.max_num_queued_tokens,
         capacity=None if args.capacity is None else Capacity(args.capacity, 0.0, measured=False),
         capacity_warmup_s=window / 3,
         capacity_window_s=window,

@@ -52,6 +52,7 @@ import attrs
 from narwhal.bench.load import percentile
 
 __all__ = [
+    "ENGINE_BUSY",
     "REFUSAL_CODES",
     "REJECTION_CODES",
     "Bar",
@@ -82,6 +83,10 @@ REFUSAL_CODES = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"}
 
 REJECTION_CODES = frozenset({"admission_queue_full", "http_retention_full"})
 """The capacity rejections (counted as ``rejected``)."""
+
+ENGINE_BUSY = "engine_busy"
+"""The code of an engine-side refusal (vLLM's ``--max-num-queued-tokens``, the ``engine-cap``
+baseline): the engines' 503, which the router passes on as 502; not admitted."""
 
 
 @attrs.frozen(slots=True)
@@ -126,7 +131,10 @@ class Outcome:
 
     @property
     def admitted(self) -> bool:
-        """Passed admission (served, failed, or expired in the queue after admission)."""
+        """Passed admission (served, failed, or expired in the queue after admission); the
+        engines' own refusal (``engine_busy``) is not admitted."""
+        if self.code == ENGINE_BUSY:
+            return False
         return self.status not in (0, 429, 503) and not 400 <= self.status < 500
 
     @property
@@ -757,6 +765,12 @@ class Bar:
         prediction_p90: most 90th-percentile absolute error of the projection at arrival.
         memory_bytes: most memory added by the retention and queue limits, full (``None``: no
             memory target).
+        baselines: the modes predictive must beat at every load of ``goodput_loads`` (and
+            every other load run), on goodput in budget (engine work per second) and on the
+            in-budget share of admitted requests: at least as high (a baseline not run: not
+            run).
+        false_refusal_min_samples: the fewest forced-in refusals the false-refusal check runs
+            on (fewer refusals than that: all of them); a smaller sample is not run.
     """
 
     goodput_ratio: float = 0.90
@@ -769,6 +783,8 @@ class Bar:
     prediction_median: float = 0.10
     prediction_p90: float = 0.30
     memory_bytes: int | None = 100_000_000
+    baselines: tuple[str, ...] = ("queue-cap", "engine-cap")
+    false_refusal_min_samples: int = 50
 
 
 PASS, FAIL, NOT_RUN, INCOMPLETE = "PASS", "FAIL", "NOT RUN", "INCOMPLETE"
@@ -829,6 +845,37 @@ def _at_most(value: float | None, target: float) -> bool | None:
     return None if value is None else value <= target
 
 
+def _rate_text(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}/s"
+
+
+def _false_refusal_check(load: float, false: FalseRefusals | None, bar: Bar) -> Check:
+    """The false-refusal verdict: run on at least ``bar.false_refusal_min_samples`` forced-in
+    refusals, or on every refusal when there were fewer; otherwise not run."""
+    name = f"false refusals at {load:g}x (share of offered)"
+    target = f"<= {_pct(bar.false_refusal_rate)}"
+    if false is None:
+        return Check(name, None, "n/a", target, note="not sampled")
+    sampled, refused = len(false.sampled), false.refused
+    enough = sampled >= bar.false_refusal_min_samples or sampled >= refused
+    if not enough:
+        return Check(
+            name,
+            None,
+            _pct(false.rate),
+            target,
+            note=f"{sampled} of {refused} refusals sampled, fewer than "
+            f"{bar.false_refusal_min_samples}: not run",
+        )
+    if refused < bar.false_refusal_min_samples:
+        note = f"all {refused} refusals forced in (fewer than {bar.false_refusal_min_samples})"
+    else:
+        note = f"{sampled} of {refused} refusals forced in"
+    return Check(
+        name, _at_most(false.rate, bar.false_refusal_rate), _pct(false.rate), target, note=note
+    )
+
+
 def evaluate(
     runs: Sequence[ReplayFigures],
     bar: Bar,
@@ -871,15 +918,37 @@ def evaluate(
     for load in sorted(bar.false_refusal_loads):
         run = predictive.get(load)
         false = None if run is None else run.false_refusals
-        rate = None if false is None else false.rate
-        checks.append(
-            Check(
-                f"false refusals at {load:g}x (share of offered)",
-                _at_most(rate, bar.false_refusal_rate),
-                _pct(rate),
-                f"<= {_pct(bar.false_refusal_rate)}",
-            )
-        )
+        checks.append(_false_refusal_check(load, false, bar))
+    by_mode: dict[str, dict[float, ReplayFigures]] = {}
+    for run in runs:
+        by_mode.setdefault(run.mode, {})[run.load] = run
+    for baseline in bar.baselines:
+        theirs = by_mode.get(baseline, {})
+        for load in sorted(set(bar.goodput_loads) | set(predictive)):
+            run, other = predictive.get(load), theirs.get(load)
+            for what, ours, them, text in (
+                (
+                    "goodput in budget (engine work)",
+                    None if run is None else run.goodput_engine,
+                    None if other is None else other.goodput_engine,
+                    _rate_text,
+                ),
+                (
+                    "in-budget share",
+                    None if run is None else run.in_budget_fraction,
+                    None if other is None else other.in_budget_fraction,
+                    _pct,
+                ),
+            ):
+                checks.append(
+                    Check(
+                        f"{what} at {load:g}x: predictive vs {baseline}",
+                        None if ours is None or them is None else ours >= them,
+                        text(ours),
+                        f">= {text(them)}",
+                        note=f"{baseline} not run" if other is None else f"{baseline} {text(them)}",
+                    )
+                )
     for run in sorted(runs, key=lambda run: (run.load, run.mode != "predictive", run.mode)):
         value = run.goodput_engine_ratio
         checks.append(

@@ -25,7 +25,7 @@ router's prior (``prior=True``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -51,6 +51,7 @@ __all__ = [
     "EngineTruth",
     "InProcessFleet",
     "Slowdown",
+    "engine_cap_supported",
     "open_fleet",
     "run_lifespan",
 ]
@@ -368,6 +369,15 @@ class InProcessFleet:
     nursery: trio.Nursery
 
 
+def engine_cap_supported() -> bool:
+    """Whether the simulator does vLLM's engine-side admission (``max_num_queued_tokens``)."""
+    return "max_num_queued_tokens" in attrs.fields_dict(SimEngine)
+
+
+def _engine_cap(cap: int | None) -> dict[str, Any]:
+    return {} if cap is None else {"max_num_queued_tokens": cap}
+
+
 @contextlib.asynccontextmanager
 async def open_fleet(
     config: Config,
@@ -379,20 +389,27 @@ async def open_fleet(
     wait_ready: bool = True,
     truth: EngineTruth | None = None,
     span_s: float | None = None,
+    max_num_queued_tokens: Sequence[int | None] = (),
 ) -> AsyncIterator[InProcessFleet]:
     """Start the router of ``config`` in front of one simulated engine per configured engine.
 
     Each engine runs its engine type (``truth``; default :class:`EngineTruth`: the calibrated
     type of its configured profile's name, or of ``profile`` when given) at ``time_scale`` in
     its configured dialect, seeded with ``seed`` plus its position. With ``span_s``, the truth's
-    slowdowns are scheduled at their fraction of ``span_s`` from the moment this yields. Returns
-    once ``/ready`` would be 200 (unless ``wait_ready`` is false); on exit every task of the
-    fleet is cancelled and the app shut down.
+    slowdowns are scheduled at their fraction of ``span_s`` from the moment this yields. With
+    ``max_num_queued_tokens``, each engine (by position) does its own admission as vLLM's
+    ``--max-num-queued-tokens`` (:attr:`SimEngine.max_num_queued_tokens`; ``None``: none).
+    Returns once ``/ready`` would be 200 (unless ``wait_ready`` is false); on exit every task of
+    the fleet is cancelled and the app shut down.
 
     Raises:
-        ValueError: a slowdown names an engine that is not configured.
+        ValueError: a slowdown names an engine that is not configured, or an engine-side cap
+            is asked of a simulator without one.
     """
     truth = EngineTruth() if truth is None else truth
+    caps = list(max_num_queued_tokens)
+    if any(cap is not None for cap in caps) and not engine_cap_supported():
+        raise ValueError("this simulator has no engine-side admission (max_num_queued_tokens)")
     engines = {
         engine.name: CoalescingSimEngine(
             config.serving.model,
@@ -405,6 +422,7 @@ async def open_fleet(
             seed=seed + index,
             name=engine.name,
             tokens_per_chunk=tokens_per_chunk,
+            **_engine_cap(caps[index] if index < len(caps) else None),
         )
         for index, engine in enumerate(config.engines)
     }

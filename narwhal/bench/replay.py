@@ -42,7 +42,7 @@ import trio.testing
 
 from narwhal.admission.observer import Decision, Served
 from narwhal.bench import procstat
-from narwhal.bench.goodput import Capacity, CostModel, Outcome, Work
+from narwhal.bench.goodput import ENGINE_BUSY, Capacity, CostModel, Outcome, Work
 from narwhal.bench.inprocess import EngineTruth, InProcessFleet, open_fleet
 from narwhal.bench.load import StreamTimer, percentile
 from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncate
@@ -53,6 +53,7 @@ from narwhal.sim.timing import StepTiming
 from narwhal.upstream.transport import OneShotBody
 
 __all__ = [
+    "MODE_DESCRIPTIONS",
     "CapacityJob",
     "MemoryJob",
     "MemoryResult",
@@ -66,7 +67,20 @@ __all__ = [
     "seed_scheduler",
 ]
 
-Mode = Literal["open", "predictive"]
+Mode = Literal["open", "predictive", "queue-cap", "engine-cap"]
+
+MODE_DESCRIPTIONS: dict[str, str] = {
+    "predictive": "Narwhal's predictive admission (refuses what its projection puts over budget)",
+    "open": "Narwhal open mode: admits everything up to its queue and retention limits",
+    "queue-cap": "baseline: open mode with a fixed router queue-length cap (--queue-cap; "
+    "default capacity x budget, the requests the pool completes in one budget)",
+    "engine-cap": "baseline: vLLM's engine-side admission, --max-num-queued-tokens about "
+    "budget x prefill throughput per engine, engines answer 503; the router only balances "
+    "(open, its limits lifted)",
+}
+"""What each benchmark mode is, for the report (JSON and text)."""
+
+_LIFTED = 4096  # the router's limits in engine-cap mode: the engines queue, not the router
 
 _PATH = "/v1/chat/completions"
 _HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
@@ -128,10 +142,40 @@ class VirtualSetup:
             names.append(kind)
         return Work(tuple(engines), tuple(names))
 
-    def config(self, mode: Mode, budget_s: float) -> Config:
-        """The router's configuration for one run."""
-        admission = attrs.evolve(self.router.admission, mode=mode, ttft_budget_s=budget_s)
+    def config(self, mode: Mode, budget_s: float, *, queue_cap: int | None = None) -> Config:
+        """The router's configuration for one run of a benchmark mode.
+
+        ``queue-cap`` is open mode with ``queue_limit`` set to ``queue_cap``; ``engine-cap`` is
+        open mode with the router's concurrency, queue and retention limits lifted, so that the
+        engines hold the waiting requests and do their own admission.
+        """
+        admission = self.router.admission
+        if mode == "queue-cap":
+            if queue_cap is None:
+                raise ValueError("queue-cap mode needs a queue cap")
+            admission = attrs.evolve(admission, mode="open", queue_limit=queue_cap)
+        elif mode == "engine-cap":
+            admission = attrs.evolve(
+                admission,
+                mode="open",
+                prefill_concurrency=_LIFTED,
+                decode_concurrency=_LIFTED,
+                queue_limit=_LIFTED,
+                http_retention_limit=2 * _LIFTED,
+            )
+        else:
+            admission = attrs.evolve(admission, mode=mode)
+        admission = attrs.evolve(admission, ttft_budget_s=budget_s)
         return attrs.evolve(self.router, admission=admission)
+
+    def engine_caps(self, budget_s: float) -> tuple[int, ...]:
+        """``--max-num-queued-tokens`` as an operator would set it for each engine: the budget
+        times the prefill throughput they know of it (its router profile's per-token prefill
+        rate, ``1000 / b_p`` tokens per second; under a wrong prior, as wrong as the prior)."""
+        return tuple(
+            max(1, round(budget_s * 1000.0 / get_profile(engine.profile).prefill_per_token_ms))
+            for engine in self.router.engines
+        )
 
 
 def default_router(
@@ -490,7 +534,10 @@ class ReplayJob:
         rate: the offered mean rate, requests per second (the trace's time axis is scaled).
         budget_s: the TTFT budget.
         forced: the trace index of a request forced in (exempt from predictive refusal); the
-            run then stops once that request's budget has run out.
+            run then stops once that request is answered (its first output, or an error), or
+            once its budget has run out.
+        queue_cap: the router's queue cap (``queue-cap`` mode).
+        max_num_queued_tokens: each engine's engine-side cap (``engine-cap`` mode).
     """
 
     setup: VirtualSetup
@@ -498,6 +545,8 @@ class ReplayJob:
     rate: float
     budget_s: float
     forced: int | None = None
+    queue_cap: int | None = None
+    max_num_queued_tokens: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -536,7 +585,10 @@ def run_replay(job: ReplayJob) -> ReplayResult:
 
 async def _replay(job: ReplayJob) -> ReplayResult:
     setup = job.setup
-    config = setup.config(job.mode, job.budget_s)
+    config = setup.config(job.mode, job.budget_s, queue_cap=job.queue_cap)
+    caps = job.max_num_queued_tokens if job.mode == "engine-cap" else ()
+    if job.mode == "engine-cap" and not caps:
+        caps = setup.engine_caps(job.budget_s)
     rows = scale_to_rate(setup.rows(), job.rate)
     forced_row = next((row for row in rows if row.index == job.forced), None)
     outcomes: dict[int, Outcome] = {}
@@ -547,6 +599,7 @@ async def _replay(job: ReplayJob) -> ReplayResult:
         span_s=rows[-1].arrival_s if rows else 0.0,
         seed=setup.seed,
         tokens_per_chunk=setup.tokens_per_chunk,
+        max_num_queued_tokens=caps,
     ) as fleet:
         with _hooks(fleet):
             origin = trio.current_time()
@@ -562,7 +615,14 @@ async def _replay(job: ReplayJob) -> ReplayResult:
                         nursery.start_soon(_send, fleet, row, body, origin, outcomes, probe)
             virtual_s = trio.current_time() - origin
             books = fleet.router.statistics().accounting.as_json()
+            if caps:
+                books["engine_rejections"] = sum(
+                    getattr(engine.statistics(), "rejected_queued_tokens", 0)
+                    for engine in fleet.engines.values()
+                )
         fleet.nursery.cancel_scope.cancel()
+    if caps:
+        outcomes = {index: _engine_busy(outcome) for index, outcome in outcomes.items()}
     forced_ttft: float | None = None
     would_refuse: bool | None = None
     if forced_row is not None:
@@ -579,6 +639,16 @@ async def _replay(job: ReplayJob) -> ReplayResult:
         forced_ttft_s=forced_ttft,
         forced_would_refuse=would_refuse,
     )
+
+
+def _engine_busy(outcome: Outcome) -> Outcome:
+    """In engine-cap mode, the engines' 503 (their own admission refusing; the router, having
+    tried another engine, passes it on as 502 ``engine_error``) is the engines' refusal: its
+    code becomes ``engine_busy``, a request not admitted. The simulated engines fail no other
+    way in this benchmark."""
+    if outcome.status == 502 and outcome.code == "engine_error":
+        return attrs.evolve(outcome, code=ENGINE_BUSY)
+    return outcome
 
 
 def _with_idle_ttft(fleet: InProcessFleet, outcomes: dict[int, Outcome]) -> tuple[Outcome, ...]:

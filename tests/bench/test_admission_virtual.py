@@ -182,7 +182,7 @@ def test_cli_settings() -> None:
     _admission_arguments(parser)
     quick = admission_settings(parser.parse_args(["--quick", "--jobs", "1"]))
     assert quick.setup.duration_s == 300.0
-    assert quick.samples_at(0.5) == 5 and quick.samples_at(2.0) == 2
+    assert quick.samples_at(0.5) == 50 and quick.samples_at(2.0) == 2
     assert quick.capacity_window_s == 30.0 and quick.jobs == 1
     full = admission_settings(
         parser.parse_args(["--loads", "1,3", "--capacity", "40", "--false-refusal-samples", "7"])

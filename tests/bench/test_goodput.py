@@ -230,7 +230,7 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
         figures(
             0.5,
             "predictive",
-            false_refusals=FalseRefusals(10, 1000, (1, 2), (2,)),
+            false_refusals=FalseRefusals(10, 1000, tuple(range(10)), (2,)),
             projection_pairs=((1.05, 1.0),) * 8 + ((1.25, 1.0),) * 2,
             placement_pairs=((1.01, 1.0),) * 10,
         ),
@@ -243,7 +243,9 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
     assert good.passed is True and good.measured == "90.5 %" and good.open_mode == "90.5 %"
     assert good.note == "requests 90.5 %"  # beside it, not checked
     assert not any("(requests)" in name for name in checks)
-    assert checks["false refusals at 0.5x (share of offered)"].passed is True  # 0.5 %
+    false = checks["false refusals at 0.5x (share of offered)"]
+    assert false.passed is True and false.measured == "0.1 %"  # 10 / 1000 refused, 1 in 10 false
+    assert false.note == "all 10 refusals forced in (fewer than 50)"
     assert checks["admitted in budget at 2x"].passed is True
     assert "admitted in budget at 0.5x" not in checks
     # The projection at arrival is scored; the prediction at placement is beside it.
@@ -256,6 +258,43 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
     assert checks["goodput / bound (engine work) at 1x"].verdict == "NOT RUN"
     assert checks["admitted in budget at 3x"].verdict == "NOT RUN"
     assert overall_verdict(check.passed for check in checks.values()) == "INCOMPLETE"
+
+
+def test_false_refusals_are_not_checked_on_fewer_than_50_samples() -> None:
+    def check(false: FalseRefusals) -> Check:
+        run = figures(0.5, "predictive", false_refusals=false)
+        found = {c.name: c for c in evaluate([run], Bar())}
+        return found["false refusals at 0.5x (share of offered)"]
+
+    few = check(FalseRefusals(200, 1000, tuple(range(20)), ()))  # 20 of 200: too few
+    assert few.verdict == "NOT RUN" and "20 of 200 refusals sampled, fewer than 50" in (
+        few.note or ""
+    )
+    enough = check(FalseRefusals(200, 1000, tuple(range(50)), ()))
+    assert enough.verdict == "PASS" and enough.note == "50 of 200 refusals forced in"
+    every = check(FalseRefusals(30, 1000, tuple(range(30)), tuple(range(15))))
+    assert every.verdict == "FAIL" and every.note == "all 30 refusals forced in (fewer than 50)"
+    assert check(FalseRefusals(0, 1000)).verdict == "PASS"  # nothing refused: nothing false
+    assert check(FalseRefusals(200, 1000)).verdict == "NOT RUN"
+
+
+def test_predictive_must_beat_every_baseline_at_every_load() -> None:
+    runs = [
+        figures(1.0, "predictive", goodput_engine=0.9, in_budget=19),
+        figures(1.0, "queue-cap", goodput_engine=0.8, in_budget=19),  # a tie in share: beaten
+        figures(1.0, "engine-cap", goodput_engine=0.95, in_budget=15),
+    ]
+    checks = {c.name: c for c in evaluate(runs, Bar(goodput_loads=(1.0, 2.0)))}
+    queue = checks["goodput in budget (engine work) at 1x: predictive vs queue-cap"]
+    assert (queue.verdict, queue.measured, queue.target) == ("PASS", "0.900/s", ">= 0.800/s")
+    assert checks["in-budget share at 1x: predictive vs queue-cap"].verdict == "PASS"
+    engine = checks["goodput in budget (engine work) at 1x: predictive vs engine-cap"]
+    assert engine.verdict == "FAIL" and engine.note == "engine-cap 0.950/s"
+    share = checks["in-budget share at 1x: predictive vs engine-cap"]
+    assert (share.verdict, share.measured, share.target) == ("PASS", "95.0 %", ">= 75.0 %")
+    # A load (or a baseline) not run is not run.
+    missing = checks["goodput in budget (engine work) at 2x: predictive vs queue-cap"]
+    assert missing.verdict == "NOT RUN" and missing.note == "queue-cap not run"
 
 
 def test_an_easy_placement_prediction_does_not_pass_a_poor_projection() -> None:
@@ -382,6 +421,7 @@ def test_report_verdict_is_incomplete_while_a_target_is_unchecked() -> None:
     assert "goodput / bound (engine work) at 0.5x" in data["not_run"]
     assert data["prediction_error"]["arrival"]["count"] == 0
     bar = Bar(goodput_loads=(1.0,), in_budget_loads=(), false_refusal_loads=(), memory_bytes=None)
+    bar = attrs.evolve(bar, baselines=())
     bar = attrs.evolve(bar, prediction_median=1.0, prediction_p90=1.0)
     ran = [attrs.evolve(run, projection_pairs=((1.0, 1.0),)) for run in runs]
     complete = report(ran, evaluate(ran, bar))
