@@ -279,6 +279,12 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
     phase = time.perf_counter()
     figures = _false_refusals(settings, capacity, figures, results, echo)
     walls["false_refusals"] = time.perf_counter() - phase
+    reruns = sum(len(figure.false_refusals.sampled) for figure in figures if figure.false_refusals)
+    if reruns:
+        echo(
+            f"false refusals: {reruns} reruns in {walls['false_refusals']:.0f} s wall (each ends "
+            "once its forced request is answered)"
+        )
 
     memory: MemoryResult | None = None
     if settings.memory:

@@ -264,6 +264,7 @@ class _Probe:
     """What the hooks saw of one request."""
 
     forced: bool = False
+    stop: trio.CancelScope | None = None  # the forced request's: the rerun, to end once answered
     projected_ttft_s: float | None = None
     would_refuse: bool = False
     router_ttft_s: float | None = None
@@ -363,15 +364,25 @@ async def _send(
             if status != 200:
                 code = _error_code(await response.aread())
                 record(code, finished=False)
+                _answered(probe)
                 return
             async for chunk in response.aiter_raw():
                 timer.feed(chunk, trio.current_time())
+                if probe.stop is not None and timer.fail("").ttft_s is not None:
+                    _answered(probe)  # recorded as cut at the next checkpoint, its TTFT kept
             record(None, finished=True)
     except httpx.HTTPError as exc:
         record(type(exc).__name__, finished=False)
     except BaseException:
         record("cut", finished=False)  # the run ended before this request did
         raise
+
+
+def _answered(probe: _Probe) -> None:
+    """The forced request of a rerun has its answer (its first output, or an error): what
+    comes after cannot change it, so the rerun ends here."""
+    if probe.stop is not None:
+        probe.stop.cancel()
 
 
 def _error_code(raw: bytes) -> str:
@@ -606,7 +617,8 @@ async def _replay(job: ReplayJob) -> ReplayResult:
             stop_at = float("inf")
             if forced_row is not None:
                 stop_at = origin + forced_row.arrival_s + job.budget_s
-            with trio.move_on_at(stop_at):
+            with trio.move_on_at(stop_at) as stop:
+                forced_probe.stop = stop
                 async with trio.open_nursery() as nursery:
                     for row in rows:
                         await trio.sleep_until(origin + row.arrival_s)

@@ -109,8 +109,22 @@ def test_a_refused_request_forced_in_on_the_same_seeded_run() -> None:
     ]
     assert len(ended) > 5
     assert all(rerun[outcome.index] == outcome for outcome in ended)
-    # It stops once the forced request's budget has run out.
-    assert forced.virtual_s == pytest.approx(target.arrival_s + tight)
+    # It stops once the forced request is answered, or its budget has run out.
+    answered = mine.ttft_s if mine.ttft_s is not None and mine.ttft_s <= tight else tight
+    assert forced.virtual_s == pytest.approx(target.arrival_s + answered)
+    assert not any(outcome.arrival_s > forced.virtual_s for outcome in forced.outcomes)
+
+
+def test_a_forced_in_rerun_ends_once_the_forced_request_is_answered() -> None:
+    job = ReplayJob(attrs.evolve(SETUP, duration_s=20.0), "predictive", CAPACITY.rps, 2.0)
+    baseline = run_replay(job)
+    target = baseline.outcomes[len(baseline.outcomes) // 2]
+    assert target.ttft_s is not None and target.ttft_s < 2.0
+    forced = run_replay(attrs.evolve(job, forced=target.index))
+    assert forced.forced_ttft_s == pytest.approx(target.ttft_s)
+    # Ended at its first output, well before its budget ran out (and the trace's end).
+    assert forced.virtual_s == pytest.approx(target.arrival_s + target.ttft_s)
+    assert len(forced.outcomes) < len(baseline.outcomes)
 
 
 def test_capacity_is_what_a_saturated_closed_loop_completes_of_the_traces_mix() -> None:

@@ -25,12 +25,6 @@ SETUP = VirtualSetup(default_router(), duration_s=20.0)
 BUSY = VirtualSetup(default_router(), duration_s=600.0)
 OVERLOAD_RPS = 38.4 * 5
 
-needs_engine_cap = pytest.mark.xfail(
-    not engine_cap_supported(),
-    reason="the simulator's max_num_queued_tokens (vLLM's engine-side admission) has not landed",
-    strict=True,
-)
-
 
 def test_each_mode_configures_the_router_as_a_user_would() -> None:
     queue = SETUP.config("queue-cap", 2.0, queue_cap=77).admission
@@ -55,9 +49,7 @@ def test_the_caps_a_user_would_choose() -> None:
     h100, a100 = mixed.engine_caps(2.0)
     assert h100 > a100  # the slower engine holds less
     expected = ("predictive", "open", "queue-cap", "engine-cap")
-    if not engine_cap_supported():
-        expected = expected[:3]
-    assert default_modes() == expected
+    assert engine_cap_supported() and default_modes() == expected
     assert AdmissionSettings(SETUP).modes == expected
 
 
@@ -76,7 +68,6 @@ def test_queue_cap_rejects_beyond_its_queue_under_overload() -> None:
     assert all(outcome.projected_ttft_s is None for outcome in result.outcomes)  # open mode
 
 
-@needs_engine_cap
 def test_engine_cap_lets_the_engines_refuse_under_overload() -> None:
     caps = (20_000, 20_000)  # a small backlog, so that three times capacity overflows it
     job = ReplayJob(BUSY, "engine-cap", OVERLOAD_RPS, 2.0, max_num_queued_tokens=caps)
