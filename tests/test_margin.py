@@ -1,47 +1,89 @@
-"""The learned safety margin of predictive admission."""
+"""The learned safety margin of predictive admission: caution on the wait, and on the own
+prefill, each from its own error."""
 
 from __future__ import annotations
 
 import pytest
 
-from narwhal.admission.margin import SafetyMargin
+from narwhal.admission.margin import Ratios, SafetyMargin
+
+BUDGET = 2.0
+
+
+def _waited(margin: SafetyMargin, predicted_wait: float, observed_wait: float) -> None:
+    """A request that waited: 10 ms in the router, 0.1 s of own prefill, as predicted."""
+    fixed, own = 0.01, 0.1
+    margin.observe(
+        fixed + predicted_wait + own,
+        predicted_wait,
+        own,
+        fixed + observed_wait + own,
+        budget_s=BUDGET,
+    )
 
 
 def test_until_enough_requests_taught_it_the_factor_is_the_prior() -> None:
     margin = SafetyMargin()
     for _ in range(31):
-        margin.observe(1.0, 1.0, budget_s=2.0)
-    assert margin.factor == 2.0
-    margin.observe(1.0, 1.0, budget_s=2.0)
-    assert margin.factor == margin.least
+        _waited(margin, 1.0, 1.0)
+    assert margin.factor == margin.wait.prior == 2.0
+    _waited(margin, 1.0, 1.0)
+    assert margin.factor == 1.0
 
 
-def test_the_factor_is_the_99th_percentile_of_observed_over_projected() -> None:
-    margin = SafetyMargin(window=100)
+def test_the_wait_factor_is_the_99th_percentile_of_observed_over_predicted_wait() -> None:
+    margin = SafetyMargin(wait=Ratios(prior=2.0, window=100))
     for number in range(100):
-        margin.observe(1.0, 1.0 + number / 50, budget_s=2.0)  # ratios 1.00 .. 2.98
+        _waited(margin, 1.0, 1.0 + number / 50)  # ratios 1.00 .. 2.98
     assert margin.factor == pytest.approx(2.98)
+    # Only the wait is cautious: the own prefill keeps its prior.
+    assert margin.own.samples == 0
+    assert margin.caution_s(1.0, 0.0) == pytest.approx(1.98)
 
 
-def test_short_projections_do_not_teach() -> None:
-    # A 40 ms projection that took 80 ms says nothing about a queue near the budget.
-    margin = SafetyMargin(min_samples=1)
-    margin.observe(0.04, 0.08, budget_s=2.0)
-    assert margin.samples == 0 and margin.factor == margin.prior
+def test_the_parts_that_do_not_wait_are_taken_out_of_the_observed_wait() -> None:
+    margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
+    # 0.5 s predicted wait, 0.3 s own prefill, 0.2 s in the router: observed 1.5 s, so the
+    # wait was 1.0 s, twice the prediction.
+    margin.observe(1.0, 0.5, 0.3, 1.5, budget_s=BUDGET)
+    assert margin.factor == pytest.approx(2.0)
+    assert margin.wait.samples == 1
+
+
+def test_short_waits_do_not_teach_the_wait_factor() -> None:
+    margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
+    _waited(margin, 0.04, 0.08)  # under 5 % of the budget
+    assert margin.wait.samples == 0 and margin.factor == 2.0
+
+
+def test_a_long_prompt_that_hardly_waited_teaches_the_own_prefill_factor() -> None:
+    margin = SafetyMargin(own=Ratios(prior=1.25, min_samples=1))
+    # 1.2 s of own prefill, 10 ms of wait: it came at 1.5 s, its prefill took 1.48 s.
+    margin.observe(1.22, 0.01, 1.2, 1.5, budget_s=BUDGET)
+    assert margin.own.samples == 1 and margin.wait.samples == 0
+    assert margin.own.factor == pytest.approx(1.48 / 1.2)
+    assert margin.caution_s(0.0, 1.2) == pytest.approx(0.28)
+
+
+def test_a_wait_as_long_as_the_prefill_teaches_neither_the_own_factor() -> None:
+    margin = SafetyMargin(own=Ratios(prior=1.25, min_samples=1))
+    margin.observe(0.2, 0.09, 0.1, 0.5, budget_s=BUDGET)  # wait under the floor, but not short
+    assert margin.own.samples == 0 and margin.wait.samples == 0
 
 
 def test_the_factor_never_goes_below_its_floor() -> None:
-    margin = SafetyMargin(min_samples=1)
-    for _ in range(50):
-        margin.observe(1.0, 0.5, budget_s=2.0)
-    assert margin.factor == margin.least == 1.1
+    margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
+    for _ in range(10):
+        _waited(margin, 1.0, 0.5)
+    assert margin.factor == margin.wait.least == 1.0
+    assert margin.caution_s(1.0, 1.0) == pytest.approx(0.25)  # the own prior is still 1.25
 
 
 def test_the_window_forgets_old_errors() -> None:
-    margin = SafetyMargin(window=10, min_samples=1)
+    margin = SafetyMargin(wait=Ratios(prior=2.0, window=10, min_samples=1))
     for _ in range(10):
-        margin.observe(1.0, 3.0, budget_s=2.0)
-    assert margin.factor == 3.0
+        _waited(margin, 1.0, 3.0)
+    assert margin.factor == pytest.approx(3.0)
     for _ in range(10):
-        margin.observe(1.0, 1.5, budget_s=2.0)
-    assert margin.factor == 1.5
+        _waited(margin, 1.0, 1.5)
+    assert margin.factor == pytest.approx(1.5)
