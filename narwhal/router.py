@@ -141,7 +141,8 @@ class Router:
         )
         self.accounting = Accounting()
         self.retention = RetentionLimit(admission.http_retention_limit)
-        self.queue = AdmissionQueue(self.pool, admission.queue_limit)
+        self.lengths = OutputLengths()
+        self.queue = AdmissionQueue(self.pool, admission.queue_limit, self.lengths)
         counter = None
         if config.serving.tokenizer:
             try:
@@ -149,7 +150,6 @@ class Router:
             except RuntimeError as exc:
                 raise ConfigError(f"serving.tokenizer: {exc}") from exc
         self.sizer = Sizer(counter)
-        self.lengths = OutputLengths()
         self.margin = SafetyMargin()
         self.state: RouterState = "active"
         self.state_reason: str | None = None

@@ -30,9 +30,35 @@ def test_a_first_token_replans_the_pipeline_from_what_is_pending() -> None:
     key_a, _ = forecast.place(1024, now=0.0)
     forecast.place(1024, now=0.0)
     forecast.first_token(key_a, placed_at=0.0, predicted=0.028, now=0.5, tokens=1024)
-    # a was late: b's compute (it joined a's prefill) starts now at the latest.
-    assert forecast.free_at == pytest.approx(0.5 + H100.prefill_chunk_ms(0, 1024) / 1000)
+    # b joined a's step, so a's first token was expected with b's; a came late, and b, in the
+    # same step, is expected now.
+    assert forecast.free_at == pytest.approx(0.5)
     assert forecast.decoding == 1 and forecast.decode_context == 1024
+
+
+def test_a_prompt_that_joins_a_step_delays_the_prompts_already_in_it() -> None:
+    forecast = PrefillForecast(H100)
+    key_a, first = forecast.place(1024, now=0.0)
+    key_b, second = forecast.place(1024, now=0.0)
+    # Both come out of the one step: a is expected when b is.
+    assert forecast.expected_first_token(key_a) == pytest.approx(second)
+    assert forecast.expected_first_token(key_b) == pytest.approx(second)
+    assert second - first == pytest.approx(H100.prefill_chunk_ms(0, 1024) / 1000)
+
+
+def test_a_prompt_that_spills_past_a_step_delays_it_by_its_share_only() -> None:
+    forecast = PrefillForecast(H100, decoding=10, decode_context=10_000)
+    key_a, first = forecast.place(8000, now=0.0)  # 182 tokens of the step's budget are left
+    forecast.place(8000, now=0.0)
+    share = H100.prefill_per_token_ms * (8192 - 10 - 8000) / 1000
+    assert forecast.expected_first_token(key_a) == pytest.approx(first + share)
+
+
+def test_a_prompt_placed_after_the_last_step_started_delays_nobody() -> None:
+    forecast = PrefillForecast(H100, decoding=10, decode_context=10_000)
+    key_a, first = forecast.place(8000, now=0.0)
+    forecast.place(1000, now=0.01)  # a's step is running: it cannot join it
+    assert forecast.expected_first_token(key_a) == pytest.approx(first)
 
 
 def test_abandoning_a_prefill_gives_its_time_back() -> None:
@@ -94,9 +120,12 @@ def test_a_prompt_on_an_idle_pipeline_waits_for_the_running_decode_step() -> Non
 def test_a_late_first_token_makes_what_follows_as_late() -> None:
     forecast = PrefillForecast(H100, decoding=10, decode_context=10_000)
     key_a, first = forecast.place(8000, now=0.0)  # one whole step of its own
-    _, second = forecast.place(8000, now=0.0)
+    _, second = forecast.place(8000, now=0.0)  # its first 182 tokens share a's step
+    share = H100.prefill_per_token_ms * (8192 - 10 - 8000) / 1000
     forecast.first_token(key_a, placed_at=0.0, predicted=first, now=first + 0.1, tokens=8000)
-    assert forecast.free_at == pytest.approx(second + 0.1)
+    # a came 0.1 s after its prediction at placement, 0.1 s less b's share of its step after
+    # the revised one: b is as late as that.
+    assert forecast.free_at == pytest.approx(second + 0.1 - share)
 
 
 def test_tpot_counts_every_sequence_that_will_decode() -> None:

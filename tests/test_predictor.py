@@ -6,6 +6,7 @@ from typing import Any, cast
 
 import pytest
 
+from narwhal.admission.margin import Ratios, SafetyMargin
 from narwhal.admission.predictor import Projection, project
 from narwhal.admission.queue import Waiter
 from narwhal.config import EngineConfig
@@ -56,7 +57,7 @@ def _project(
     ahead: list[Waiter] | None = None,
     request: Waiter | None = None,
     lengths: OutputLengths | None = None,
-    **options: float,
+    **options: Any,
 ) -> Projection:
     settings = {"now": 0.0, "elapsed_s": 0.0, "overhead_s": 0.0, **options}
     projection = project(
@@ -133,9 +134,21 @@ def test_a_prompt_waits_for_a_prefill_slot() -> None:
     assert projection.ttft_s * 1000 == pytest.approx(first_four_ms + chunk + step)
 
 
-def test_the_safety_margin_multiplies_the_projection() -> None:
-    engine = _engine(decode_limit=8)
-    typical = _project(engine, overhead_s=0.005)
-    cautious = _project(engine, overhead_s=0.005, margin=1.5)
+def test_the_safety_margin_is_added_on_the_wait_and_the_own_prefill_apart() -> None:
+    engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
+    ahead = [_waiter() for _ in range(4)]
+    typical = _project(engine, ahead, overhead_s=0.005)
+    margin = SafetyMargin(wait=Ratios(prior=1.5), own=Ratios(prior=1.1))
+    cautious = _project(engine, ahead, overhead_s=0.005, margin=margin)
     assert cautious.typical_s == typical.ttft_s == typical.typical_s
-    assert cautious.ttft_s == pytest.approx(1.5 * typical.ttft_s)
+    assert typical.wait_s > 0 and typical.own_prefill_s > 0
+    caution = 0.5 * typical.wait_s + 0.1 * typical.own_prefill_s
+    assert cautious.ttft_s == pytest.approx(typical.ttft_s + caution)
+
+
+def test_a_request_that_waits_for_nothing_gets_no_caution_on_a_wait() -> None:
+    engine = _engine(decode_limit=8)
+    margin = SafetyMargin(wait=Ratios(prior=3.0), own=Ratios(prior=1.0))
+    projection = _project(engine, overhead_s=0.005, margin=margin)
+    assert projection.wait_s == 0.0
+    assert projection.ttft_s == projection.typical_s

@@ -1,17 +1,20 @@
-"""The admission queue: a bounded memory channel to one dispatcher, beside a record of who waits.
+"""The admission queue: a bounded record of who waits, and one dispatcher that places them.
 
-A request that passed admission is enqueued with ``send_nowait`` (a full queue is an immediate
-429) and waits for the dispatcher's decision under two cancel scopes: the admission wait, which
+A request that passed admission joins the queue (a full queue is an immediate 429) and waits
+for the dispatcher's decision under two cancel scopes: the admission wait, which
 :meth:`AdmissionQueue.wait_for_placement` opens, inside the request deadline, which the caller
-opened when the request arrived. The dispatcher, a task in the app's nursery,
-takes requests in arrival order and places each as soon as an engine has a free prefill slot
-and decode headroom, choosing the engine with the earliest predicted first token. When no
-engine is eligible at all, every queued request that cannot be served gets its 503 at once.
+opened when the request arrived. The dispatcher, a task in the app's nursery, follows the one
+placement rule that the TTFT projection also replays (:class:`~narwhal.admission.plan.Plan`):
+in arrival order, each request goes to the engine where its first token would come earliest,
+and is placed as soon as that engine has a free prefill slot and decode headroom. A request
+whose engine is full keeps its place in the plan, and a request behind it whose own best engine
+has room goes ahead of it. The dispatcher looks again whenever something changes (a request
+joined or left, a slot freed, an engine joined or left) and, when a request waits for an
+engine, when that engine is expected to have room. When no engine is eligible at all, every
+queued request that cannot be served gets its 503 at once.
 
-A channel cannot be inspected, and the TTFT projection needs the work ahead, so the queue also
-keeps an ordered record of the live, unplaced requests (the one the dispatcher holds included).
-``queue_limit`` counts that record: a request that leaves (its client went away, its wait ran
-out) stops counting at once, even while its entry still sits in the channel.
+``queue_limit`` counts the record: a request that leaves (its client went away, its wait ran
+out) stops counting at once.
 
 Placement honours the engines' context length (:mod:`narwhal.admission.context`): a request
 goes only to an engine whose context holds its prompt, and a prompt longer than every eligible
@@ -23,17 +26,23 @@ everyone behind it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import attrs
 import trio
 
-from narwhal.admission.context import beyond_context, placed_size, too_short
+from narwhal.admission.context import beyond_context, placed_size
+from narwhal.admission.plan import EnginePlan, Plan
 from narwhal.errors import CapacityRejection, Expired, NarwhalError, Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, Slot
+from narwhal.scheduling.lengths import OutputLengths
 
 __all__ = ["AdmissionQueue", "QueueStatistics", "Waiter"]
+
+_RECHECK_S = 0.005  # the soonest the dispatcher looks again for a request whose engine is full
+_REFRESH_S = 0.1  # the queue's plan is walked again from the engines' state at least this often
 
 
 @attrs.define(eq=False)
@@ -59,6 +68,9 @@ class Waiter:
     slot: Slot | None = None
     failure: NarwhalError | None = None
     withdrawn: bool = False
+    # Where the queue's plan sends it, and when it expects to place it there.
+    planned: EnginePlan | None = attrs.field(default=None, repr=False)
+    planned_at: float = math.inf
 
 
 @attrs.frozen
@@ -83,15 +95,18 @@ class AdmissionQueue:
     Args:
         pool: the engines to place on.
         limit: ``admission.queue_limit``.
+        lengths: the learned output lengths (the plan's running requests end by them).
     """
 
-    def __init__(self, pool: EnginePool, limit: int) -> None:
+    def __init__(self, pool: EnginePool, limit: int, lengths: OutputLengths | None = None) -> None:
         self.pool = pool
         self.limit = limit
-        # Withdrawn entries stay in the channel until the dispatcher drops them; the slack keeps
-        # them from blocking live ones. The record, not the channel, enforces the limit.
-        self._send, self._receive = trio.open_memory_channel[Waiter](2 * limit)
+        self.lengths = OutputLengths() if lengths is None else lengths
         self._waiting: dict[Waiter, None] = {}
+        self._closed = False
+        # The rule walked over every waiting request (current_plan), kept between changes.
+        self._plan: Plan | None = None
+        self._plan_engines: list[Engine] = []
         self._enqueued = 0
         self._placed = 0
         self._unavailable = 0
@@ -103,27 +118,62 @@ class AdmissionQueue:
         """The live, unplaced requests, in arrival order."""
         return list(self._waiting)
 
-    def place_now(self, waiter: Waiter) -> Slot | None:
-        """Place at once when nobody waits and an engine has room: the queue's order holds.
+    def plan(self) -> Plan:
+        """The placement rule, from the engines as they are now."""
+        return Plan(
+            self.pool, self.lengths, now=trio.current_time(), tpot_target_s=self.pool.tpot_target_s
+        )
 
-        Saves the hop through the dispatcher on an unloaded router. A prompt longer than every
-        eligible engine's context is placed at once whoever waits.
+    def current_plan(self) -> Plan:
+        """The rule walked over every waiting request, in order: where the queue's plan has
+        each go (:attr:`Waiter.planned`), and the state a newcomer would find.
+
+        Walking the queue costs a step per waiting request and per running one, so the plan
+        is kept, and each newcomer that joins the queue extends it. It is walked again from
+        the engines as they are when it is older than ``_REFRESH_S``, when the eligible
+        engines changed, and when a request waits past the time it was planned for
+        (:meth:`dispatch`): between those, requests ending and first tokens arriving are
+        taken as the plan expected them.
+        """
+        now = trio.current_time()
+        plan = self._plan
+        eligible = [engine for engine in self.pool if engine.eligible]
+        if plan is None or now - plan.built_at > _REFRESH_S or eligible != self._plan_engines:
+            plan = self._plan = self.plan()
+            self._plan_engines = eligible
+            for waiter in self._waiting:
+                self._walk(plan, waiter)
+        else:
+            plan.advance(now)
+        return plan
+
+    def _walk(self, plan: Plan, waiter: Waiter) -> None:
+        placed = plan.place(waiter)
+        waiter.planned, waiter.planned_at = (None, math.inf) if placed is None else placed
+
+    def place_now(self, waiter: Waiter) -> Slot | None:
+        """Place at once when the engine the rule chooses, after everyone waiting, has room:
+        what the dispatcher would do, without the hop through it.
+
+        A prompt longer than every eligible engine's context is placed at once whoever waits.
         """
         slot = self._over_context(waiter)
-        if slot is None and not self._waiting:
-            engine = self._best(waiter)
-            slot = None if engine is None else _take(engine, waiter)
+        if slot is None:
+            chosen = self.current_plan().choose(waiter)
+            if chosen is not None and self._has_room(chosen, waiter):
+                slot = _take(chosen.engine, waiter)
+                chosen.take(waiter)  # the plan knows it: the next newcomer is planned after it
         if slot is not None:
             self._enqueued += 1
             self._placed += 1
         return slot
 
-    def _best(self, waiter: Waiter) -> Engine | None:
-        """The engine to place ``waiter`` on now, among those whose context holds its prompt."""
-        return self.pool.best(
-            waiter.prompt_tokens,
-            exclude=too_short(self.pool, waiter.prompt_tokens),
-            need_token_ids=waiter.need_token_ids,
+    def _has_room(self, chosen: EnginePlan, waiter: Waiter) -> bool:
+        """Whether the engine the rule chose can take ``waiter`` now."""
+        engine = chosen.engine
+        return (
+            engine.can_place
+            and engine.forecast.tpot_with(waiter.prompt_tokens) <= self.pool.tpot_target_s
         )
 
     def _over_context(self, waiter: Waiter) -> Slot | None:
@@ -159,14 +209,13 @@ class AdmissionQueue:
         Raises:
             CapacityRejection: the queue is full (429 ``admission_queue_full``).
         """
-        if len(self._waiting) >= self.limit:
+        if len(self._waiting) >= self.limit or self._closed:
             raise _queue_full()
-        try:
-            self._send.send_nowait(waiter)
-        except trio.WouldBlock:
-            raise _queue_full() from None
         self._waiting[waiter] = None
         self._enqueued += 1
+        if self._plan is not None:  # it joins the plan, after everyone waiting
+            self._walk(self._plan, waiter)
+        self.pool.notify()  # the dispatcher may place it at once
 
     async def wait_for_placement(self, waiter: Waiter, wait_s: float) -> Slot:
         """Wait at most ``wait_s`` for the dispatcher's decision; return the placement.
@@ -207,23 +256,52 @@ class AdmissionQueue:
     # -- the dispatcher -------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Place queued requests in order, forever (run it in the app's nursery)."""
+        """Place queued requests by the rule, until :meth:`close` (run it in the app's nursery)."""
         task_status.started()
-        async for waiter in self._receive:
-            while not (waiter.withdrawn or waiter.decided.is_set()):
-                if not self.pool.any_eligible(need_token_ids=waiter.need_token_ids):
-                    self._refuse_unservable()
+        while not self._closed:
+            changed = self.pool.next_change()
+            look_again_at = self.dispatch()
+            with trio.move_on_at(look_again_at):
+                await changed.wait()
+
+    def dispatch(self) -> float:
+        """Place every queued request whose engine, by the plan, has room now.
+
+        Returns when to look again if nothing changes before (``inf``: only a change can help):
+        the earliest time a request that could not be placed was planned for. A request still
+        waiting past that time has its engine running late: the plan is walked again, so that
+        it may go elsewhere.
+        """
+        if not self._waiting:
+            return math.inf
+        self._refuse_unservable()
+        pool = self.pool
+        now = trio.current_time()
+        look_again_at = math.inf
+        if not any(engine.can_place for engine in pool):
+            return look_again_at  # nobody can be placed until a slot frees, which wakes us
+        plan = self.current_plan()
+        overdue = False
+        for waiter in list(self._waiting):
+            # The engine that held its prompt may have left: it may be over context now.
+            slot = self._over_context(waiter)
+            if slot is None:
+                chosen = waiter.planned
+                if chosen is None:
+                    continue
+                if self._has_room(chosen, waiter):
+                    slot = _take(chosen.engine, waiter)
+                else:  # it waits for that engine: look again when it should have room
+                    overdue = overdue or waiter.planned_at < now
+                    look_again_at = min(look_again_at, max(waiter.planned_at, now + _RECHECK_S))
+            if slot is not None:
+                self._decide(waiter, slot=slot)
+                self._placed += 1
+                if not any(engine.can_place for engine in pool):
                     break
-                # The engine that held its prompt may have left: it may be over context now.
-                slot = self._over_context(waiter)
-                if slot is None:
-                    engine = self._best(waiter)
-                    slot = None if engine is None else _take(engine, waiter)
-                if slot is not None:
-                    self._decide(waiter, slot=slot)
-                    self._placed += 1
-                    break
-                await self.pool.wait_changed()
+        if overdue and plan is self._plan:
+            self._plan = None  # its engine runs late: walk the plan again next time
+        return look_again_at
 
     def _decide(
         self, waiter: Waiter, *, slot: Slot | None = None, failure: NarwhalError | None = None
@@ -246,7 +324,8 @@ class AdmissionQueue:
 
     def close(self) -> None:
         """Stop the dispatcher (shutdown)."""
-        self._send.close()
+        self._closed = True
+        self.pool.notify()
 
     def statistics(self) -> QueueStatistics:
         """A frozen snapshot."""

@@ -278,6 +278,13 @@ class Slot:
         forecast.observe_gap(gap_s, tokens)
 
     @property
+    def expected_first_token_at(self) -> float:
+        """When the first token is expected now: the placement's prediction as the forecast
+        has revised it since (the pipeline runs late, later prompts joined its step)."""
+        expected = self.engine.forecast.expected_first_token(self.key)
+        return self.predicted_first_token_at if expected is None else expected
+
+    @property
     def predicted_ttft_s(self) -> float:
         """Placement to first token, as predicted at placement."""
         return self.predicted_first_token_at - self.placed_at
@@ -364,6 +371,11 @@ class EnginePool:
     async def wait_changed(self) -> None:
         """Wait for the next :meth:`notify`."""
         await self._changed.wait()
+
+    def next_change(self) -> trio.Event:
+        """The event the next :meth:`notify` sets (take it before looking, then wait on it:
+        no change in between is missed)."""
+        return self._changed
 
     def eligible(self) -> list[Engine]:
         """Engines that may take new work now."""

@@ -133,8 +133,8 @@ class PrefillForecast:
         """
         batch = self.decoding + self.in_prefill + 1
         context = self.decode_context + sum(p.tokens for p in self.pending.values()) + tokens
-        # The profile's decode step: ``scale`` is learned from prefills, not from decoding.
-        return self.profile.decode_step_ms(batch, context) / 1000
+        # The profile's decode step, at the speed learned from the engine's inter-token gaps.
+        return self.profile.decode_step_ms(batch, context) / 1000 * self.decode_scale
 
     def tpot_s(self) -> float:
         """Predicted time per output token of the decoding batch as it is now."""
@@ -217,12 +217,16 @@ class PrefillForecast:
         """Record a placement; return its key and predicted first-token time."""
         idle = self.free_at <= now
         start = max(now, self.free_at)
-        if not idle and now <= self.pipeline.last_step_at:
+        ahead = self.pipeline
+        shares = not idle and now <= ahead.last_step_at
+        if shares:
             # It shares the last step of the work ahead: whoever is in that step no longer has
             # its time to itself, and cannot teach.
             for placed in self.pending.values():
                 placed.teaches = None
         self.pipeline, compute_s, wait_s = self._cost(tokens, now, None)
+        if shares and ahead.prompts < self.prefill_limit:
+            self._revise(ahead, tokens)
         self._rate, self._rate_at = self._token_rate(now) + tokens, now
         self._keys += 1
         key = self._keys
@@ -234,6 +238,33 @@ class PrefillForecast:
             (compute_s, wait_s) if idle else None,
         )
         return key, self.free_at + self.latency_s
+
+    def _revise(self, ahead: Backlog, tokens: int) -> None:
+        """A prompt joined the last step of ``ahead``: the prompts in that step end later.
+
+        Their step now also carries the newcomer's tokens that fit in it (all of them when it
+        added no step): they get their first tokens when the longer step ends.
+        """
+        if self.pipeline.last_step_at == ahead.last_step_at:  # it added no step
+            delay = self.pipeline.free_at - ahead.free_at
+        else:
+            budget = max(1, self.profile.max_num_batched_tokens - self.decoding)
+            room = -(-ahead.tokens // budget) * budget - ahead.tokens
+            delay = self.profile.prefill_per_token_ms * min(tokens, room) / 1000 * self.scale
+        if delay <= 0:
+            return
+        for placed in self.pending.values():  # the newcomer is not among them yet
+            if placed.done + self._shift > ahead.last_step_at:
+                placed.done += delay
+
+    def expected_first_token(self, key: int) -> float | None:
+        """When the placed request ``key`` is expected to get its first token now: its
+        placement's prediction, revised by how late the pipeline runs and by prompts placed
+        later that joined its step (``None`` once it has had it, or left)."""
+        placed = self.pending.get(key)
+        if placed is None:
+            return None
+        return placed.done + self._shift + self.latency_s
 
     def first_token(
         self, key: int, *, placed_at: float, predicted: float, now: float, tokens: int

@@ -190,7 +190,7 @@ class Remaining:
     the projection rarely needs more than the first few of each running request.
     """
 
-    __slots__ = ("_cap", "_distribution", "_fixed", "_generated", "_start", "_survival")
+    __slots__ = ("_cap", "_distribution", "_fixed", "_generated", "_mean", "_start", "_survival")
 
     def __init__(
         self,
@@ -205,6 +205,7 @@ class Remaining:
         self._fixed = fixed  # every bound, when nothing is learned
         self._start = start = bisect.bisect_right(distribution.lengths, generated)
         self._survival = -distribution.drops[start - 1] if start else 1.0
+        self._mean: float | None = None
 
     def bound(self, share: int) -> float:
         """Remaining tokens at the quantile ``share / SEGMENTS`` (at least one)."""
@@ -230,3 +231,11 @@ class Remaining:
     def bounds(self) -> list[float]:
         """Every bound, ``0`` to ``SEGMENTS``."""
         return [self.bound(share) for share in range(SEGMENTS + 1)]
+
+    def mean_bound(self) -> float:
+        """The mean of :meth:`bounds` (computed once: a census hands out one object per
+        route, ``max_tokens`` and count generated)."""
+        if self._mean is None:
+            bounds = self.bounds()
+            self._mean = sum(bounds) / len(bounds)
+        return self._mean

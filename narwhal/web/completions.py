@@ -206,7 +206,13 @@ async def _answer(
     projection = decision.projection
     teach = None
     if projection is not None:  # the margin learns how the projection fared (shadow mode too)
-        teach = partial(router.margin.observe, projection.typical_s, budget_s=decision.budget_s)
+        teach = partial(
+            router.margin.observe,
+            projection.typical_s,
+            projection.wait_s,
+            projection.own_prefill_s,
+            budget_s=decision.budget_s,
+        )
     async with router.queue.placement(waiter, admission.admission_wait_s) as slot:
         router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
         headers = {"x-request-id": client.request_id}
@@ -252,13 +258,15 @@ def _admit(router: Router, waiter: Waiter, arrival: float) -> Decision:
         now = trio.current_time()
         projection = project(
             router.pool,
-            router.queue.waiting(),
+            (),  # the queue's plan has walked every waiting request
             waiter,
             router.lengths,
             now=now,
             elapsed_s=now - arrival,
             overhead_s=admission.frontend_overhead_s,
-            margin=router.margin.factor,
+            margin=router.margin,
+            tpot_target_s=admission.tpot_target_s,
+            plan=router.queue.current_plan(),
         )
         serviceable = projection is not None
         if projection is not None:

@@ -1,0 +1,314 @@
+"""Where and when each queued request goes: the one placement rule, replayed (pure).
+
+The dispatcher places queued requests and predictive admission projects a newcomer's time to
+first token, and both follow one rule, :class:`Plan`: in arrival order, each request goes to the
+engine where it would get its first token earliest, among the eligible engines whose context
+holds its prompt (and that provide token IDs, if it needs them), preferring those where one
+more sequence keeps the predicted time per output token inside ``admission.tpot_target_s``. It
+waits for that engine when the engine is full, rather than taking a slower one that is free.
+
+A plan replays that rule from what the engines hold now:
+
+1. **a seat**: each engine holds at most ``decode_concurrency`` requests (in prefill or in
+   decode). A seat is free now, or when running requests end. Each running request's remaining
+   output is a learned distribution (:mod:`narwhal.scheduling.lengths`, given what it already
+   produced), run at the engine's time per output token; summed over the running requests,
+   that gives the expected number of seats freed by each time, and the ``k``-th seat is free
+   when that number reaches ``k - 1/2`` (with a hundred requests running, the first seat frees
+   long before any one of them is expected to end). Each request ahead takes the earliest
+   seat, and keeps it until its own expected output has run;
+2. **a prefill slot**: at most ``prefill_concurrency`` requests are in prefill at once; a slot
+   frees at its request's expected first token (as revised since placement; one already late
+   is expected to be as late again);
+3. **the prefill pipeline**: on that engine it then waits for the compute of the prefills
+   placed before it, and has its own
+   (:class:`~narwhal.scheduling.forecast.PrefillForecast`).
+
+The dispatcher (:class:`~narwhal.admission.queue.AdmissionQueue`) walks the queue with a plan
+and places, for real, each request whose chosen engine has room now; the others keep their
+place in the plan, so that the requests behind them are planned as the dispatcher will place
+them. The projection (:mod:`narwhal.admission.predictor`) walks the same plan to the newcomer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from narwhal.admission.context import fits
+from narwhal.scheduling.engines import Engine
+from narwhal.scheduling.lengths import SEGMENTS, Census, OutputLengths, Remaining
+
+if TYPE_CHECKING:
+    from narwhal.admission.queue import Waiter
+
+__all__ = ["EnginePlan", "Plan"]
+
+
+class _Running:
+    """One running request in the sweep: where its end distribution stands."""
+
+    __slots__ = ("rate", "rest", "share", "start")
+
+    def __init__(self, start: float, rest: Remaining) -> None:
+        self.start = start  # when its decoding starts (now, or its expected first token)
+        self.rest = rest
+        self.share = 0  # the sweep has passed bound ``share``
+        self.rate = 0.0  # its expected ends per second since that bound
+
+
+class _Ends:
+    """Seats freed as running requests end: the ``k``-th when ``k - 1/2`` are expected to have.
+
+    Each running request's end is a distribution (its remaining output, in equal shares, at
+    the engine's time per output token): uniform within each share, a point where a share has
+    no width. Summed, the expected number of ends by time ``t`` is piecewise linear. The sweep
+    walks it once, in order, as the replay takes seats, and reads each request's next bound only
+    when the sweep reaches the one before: a short queue costs about one step per running
+    request.
+    """
+
+    __slots__ = ("_freed", "_knots", "_slope", "_taken", "_time", "_tpot_s")
+
+    def __init__(self, plan: EnginePlan) -> None:
+        self._tpot_s = tpot = plan.tpot_s
+        knots: list[tuple[float, int, _Running]] = []  # (next bound's time, tie-breaker, who)
+        for number, slot in enumerate(plan.slots):
+            start = plan.now
+            if slot.phase == "prefill":
+                start = max(start, slot.expected_first_token_at)
+            rest = plan.census.remaining(slot.route, slot.max_tokens, slot.generated_tokens)
+            knots.append((start + rest.bound(0) * tpot, number, _Running(start, rest)))
+        heapq.heapify(knots)
+        self._knots = knots
+        self._time = plan.now
+        self._freed = 0.0
+        self._slope = 0.0
+        self._taken = 0
+
+    def _pass_knot(self) -> None:
+        """Move past the earliest bound of some request (the sweep's time is there)."""
+        at, number, running = heapq.heappop(self._knots)
+        self._slope = max(0.0, self._slope - running.rate)
+        running.rate = 0.0
+        weight = 1.0 / SEGMENTS
+        while running.share < SEGMENTS:
+            following = running.start + running.rest.bound(running.share + 1) * self._tpot_s
+            running.share += 1
+            if following - at > 1e-12:
+                running.rate = weight / (following - at)
+                self._slope += running.rate
+                heapq.heappush(self._knots, (following, number, running))
+                return
+            self._freed += weight  # a share with no width: its ends come at once
+
+    def next(self) -> float:
+        """When the next seat frees (``inf`` when the running requests cannot free one)."""
+        target = self._taken + 0.5
+        while True:
+            if self._freed >= target - 1e-9:
+                return self._time
+            upcoming = self._knots[0][0] if self._knots else math.inf
+            if self._slope > 1e-12:
+                hit = self._time + (target - self._freed) / self._slope
+                if hit <= upcoming:
+                    return hit
+            if upcoming == math.inf:
+                return math.inf
+            self._freed += self._slope * (upcoming - self._time)
+            self._time = upcoming
+            self._pass_knot()
+
+    def take(self) -> float:
+        """Take the next seat; return when it frees."""
+        at = self.next()
+        self._taken += 1
+        return at
+
+
+class EnginePlan:
+    """One engine's seats and pipeline as the replay goes."""
+
+    __slots__ = (
+        "_ends",
+        "backlog",
+        "batch",
+        "census",
+        "context",
+        "engine",
+        "free",
+        "now",
+        "placed",
+        "prefill_free",
+        "slots",
+        "tpot_s",
+    )
+
+    def __init__(self, engine: Engine, census: _LazyCensus, now: float) -> None:
+        forecast = engine.forecast
+        self.engine = engine
+        self.census = census
+        self.now = now
+        self.backlog = forecast.pipeline
+        self.tpot_s = forecast.tpot_s()
+        # What one more sequence would decode beside (PrefillForecast.tpot_with, as it is now:
+        # the replay does not grow the batch).
+        self.batch = forecast.decoding + forecast.in_prefill + 1
+        self.context = forecast.decode_context + sum(p.tokens for p in forecast.pending.values())
+        # The running requests as they are now: the dispatcher places for real as it walks
+        # the plan, and each placement is in the plan already.
+        self.slots = list(engine.slots)
+        self.free = max(0, engine.decode_limit - len(self.slots))
+        self.placed: list[float] = []  # when the replay's own placements end (a heap)
+        self._ends: _Ends | None = None  # the running requests' ends, once needed
+        # When each prefill slot frees: a placement needs one too (a heap). A first token
+        # already late is expected as late again: the longer it is overdue, the later.
+        self.prefill_free = [
+            at if at > now else now + (now - at)
+            for slot in self.slots
+            if slot.phase == "prefill"
+            for at in [slot.expected_first_token_at]
+        ]
+        self.prefill_free.extend([now] * max(0, engine.prefill_limit - len(self.prefill_free)))
+        heapq.heapify(self.prefill_free)
+
+    @property
+    def ends(self) -> _Ends:
+        if self._ends is None:
+            self._ends = _Ends(self)
+        return self._ends
+
+    def next_seat(self) -> float:
+        """When the next seat here is free."""
+        if self.free:
+            return self.now
+        later = self.placed[0] if self.placed else math.inf
+        return min(self.ends.next(), later)
+
+    def _take_seat(self) -> float:
+        if self.free:
+            self.free -= 1
+            return self.now
+        if self.placed and self.placed[0] < self.ends.next():
+            return heapq.heappop(self.placed)
+        return self.ends.take()
+
+    def placement(self) -> float:
+        """When the next request could be placed here: a seat and a prefill slot are free."""
+        return max(self.now, self.next_seat(), self.prefill_free[0])
+
+    def tpot_with(self, tokens: int) -> float:
+        """Predicted time per output token there with one more sequence of ``tokens`` (judged
+        on the batch as it was when the plan was made: the replay does not grow it)."""
+        forecast = self.engine.forecast
+        step_ms = forecast.profile.decode_step_ms(self.batch, self.context + tokens)
+        return step_ms / 1000 * forecast.decode_scale
+
+    def first_token(self, tokens: int) -> float:
+        """When a request placed here next would get its first token."""
+        at = self.placement()
+        return self.engine.forecast.predict(tokens, at, self.backlog) if at < math.inf else at
+
+    def take(self, waiter: Waiter) -> None:
+        """Place ``waiter`` here, as the dispatcher will."""
+        at = max(self.now, self._take_seat(), heapq.heappop(self.prefill_free))
+        if at == math.inf:
+            heapq.heappush(self.prefill_free, at)
+            return
+        forecast = self.engine.forecast
+        self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog)
+        first = self.backlog.free_at + forecast.latency_s
+        heapq.heappush(self.prefill_free, first)  # its prefill slot frees at its first token
+        rest = self.census.remaining(waiter.route, waiter.max_tokens)
+        heapq.heappush(self.placed, first + rest.mean_bound() * self.tpot_s)
+
+
+class _LazyCensus:
+    """The census of the running requests, taken when the plan first needs it (a plan that
+    only places on free engines never does)."""
+
+    __slots__ = ("_census", "_engines", "_lengths")
+
+    def __init__(self, lengths: OutputLengths, engines: list[Engine]) -> None:
+        self._lengths = lengths
+        self._engines = engines
+        self._census: Census | None = None
+
+    def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> Remaining:
+        census = self._census
+        if census is None:
+            census = self._census = self._lengths.census(
+                (slot.route, slot.max_tokens, slot.generated_tokens)
+                for engine in self._engines
+                for slot in engine.slots
+            )
+        return census.remaining(route, max_tokens, generated)
+
+
+class Plan:
+    """The placement rule replayed over the pool's eligible engines, from ``now``.
+
+    Args:
+        engines: the pool.
+        lengths: the learned output lengths.
+        now: the Trio clock.
+        tpot_target_s: ``admission.tpot_target_s``.
+    """
+
+    __slots__ = ("built_at", "engines", "now", "tpot_target_s")
+
+    def __init__(
+        self,
+        engines: Iterable[Engine],
+        lengths: OutputLengths,
+        *,
+        now: float,
+        tpot_target_s: float = math.inf,
+    ) -> None:
+        eligible = [engine for engine in engines if engine.eligible]
+        census = _LazyCensus(lengths, eligible)
+        self.now = self.built_at = now
+        self.tpot_target_s = tpot_target_s
+        self.engines = [EnginePlan(engine, census, now) for engine in eligible]
+
+    def choose(self, waiter: Waiter) -> EnginePlan | None:
+        """The engine ``waiter`` goes to (``None``: no eligible engine can serve it).
+
+        The earliest first token among the engines that can serve it, those inside the TPOT
+        target first.
+        """
+        best: EnginePlan | None = None
+        best_key = (True, math.inf)  # (over the TPOT target, first token)
+        for plan in self.engines:
+            engine = plan.engine
+            if waiter.need_token_ids and not engine.provides_token_ids:
+                continue
+            if not fits(engine, waiter.prompt_tokens):
+                continue
+            slow = plan.tpot_with(waiter.prompt_tokens) > self.tpot_target_s
+            key = (slow, plan.first_token(waiter.prompt_tokens))
+            if best is None or key < best_key:
+                best, best_key = plan, key
+        return best
+
+    def place(self, waiter: Waiter) -> tuple[EnginePlan, float] | None:
+        """Choose ``waiter``'s engine and take its place there in the plan.
+
+        Returns the engine's plan and when the request is to be placed there (``None``: no
+        eligible engine can serve it).
+        """
+        plan = self.choose(waiter)
+        if plan is None:
+            return None
+        at = plan.placement()
+        plan.take(waiter)
+        return plan, at
+
+    def advance(self, now: float) -> None:
+        """Move the plan's present to ``now`` (later): nothing is placed in the past."""
+        if now > self.now:
+            self.now = now
+            for plan in self.engines:
+                plan.now = now

@@ -1,0 +1,151 @@
+"""One placement rule for the dispatcher and the projection (narwhal.admission.plan).
+
+Each queued request goes, in order, to the engine where its first token would come earliest,
+waiting for that engine when it is full; a request behind it whose own engine has room goes
+ahead; the TTFT projection replays exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+import trio
+import trio.testing
+
+from narwhal.admission.predictor import project
+from narwhal.admission.queue import AdmissionQueue, Waiter
+from narwhal.config import EngineConfig
+from narwhal.scheduling.engines import Engine, EnginePool, Slot
+from narwhal.scheduling.forecast import PrefillForecast
+from narwhal.scheduling.lengths import OutputLengths
+from narwhal.scheduling.profiles import PROFILES
+
+H100 = PROFILES["h100-llama3-8b"]
+SLOW = 20.0  # the slow engine's compute is 20 times its profile's
+
+
+def _engine(name: str, *, scale: float = 1.0, context: int | None = None) -> Engine:
+    forecast = PrefillForecast(H100, prefill_limit=1, scale=scale)
+    engine = Engine(
+        EngineConfig(name=name, url="http://127.0.0.1:1"),
+        client=cast(Any, None),
+        prefill_limit=1,
+        decode_limit=64,
+        forecast=forecast,
+    )
+    if context is not None:
+        engine.model_card = {"id": "m", "max_model_len": context}
+    engine.poll_succeeded(0.0)
+    return engine
+
+
+def _pool() -> tuple[EnginePool, Engine, Engine]:
+    fast, slow = _engine("fast"), _engine("slow", scale=SLOW)
+    return EnginePool([fast, slow]), fast, slow
+
+
+def _waiter(tokens: int = 4000) -> Waiter:
+    return Waiter(tokens, False, "chat", 64, enqueued_at=trio.current_time())
+
+
+def _busy(engine: Engine, tokens: int = 1000) -> Slot:
+    """A request in prefill on ``engine``: its one prefill slot is taken."""
+    return Slot.take(engine, tokens, max_tokens=64)
+
+
+def _placed_on(waiter: Waiter) -> str | None:
+    return None if waiter.slot is None else waiter.slot.engine.name
+
+
+async def test_a_request_waits_for_the_engine_where_its_first_token_comes_earliest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool, fast, slow = _pool()
+    queue = AdmissionQueue(pool, 16)
+    held = _busy(fast)
+    ahead, behind = _waiter(), _waiter()
+    queue.enqueue(ahead)
+    queue.enqueue(behind)
+    look_again_at = queue.dispatch()
+    # The slow engine is free, but its 4,000-token prefill takes 20 times the fast one's:
+    # both wait for the fast engine's prefill slot, expected at the busy request's first token.
+    assert _placed_on(ahead) is None and _placed_on(behind) is None
+    assert not slow.slots
+    assert look_again_at == pytest.approx(held.expected_first_token_at)
+    held.to_decode()
+    queue.dispatch()
+    assert _placed_on(ahead) == "fast" and _placed_on(behind) is None
+
+
+async def test_a_request_behind_goes_ahead_when_its_own_engine_has_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fast, slow = _engine("fast", context=8192), _engine("slow", scale=SLOW, context=32768)
+    queue = AdmissionQueue(EnginePool([fast, slow]), 16)
+    _busy(fast)
+    ahead, long_prompt = _waiter(), _waiter(16_000)  # only the slow engine holds 16,000 tokens
+    queue.enqueue(ahead)
+    queue.enqueue(long_prompt)
+    queue.dispatch()
+    assert _placed_on(ahead) is None
+    assert _placed_on(long_prompt) == "slow"
+
+
+async def test_the_projection_replays_the_dispatchers_choices(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool, fast, _slow = _pool()
+    queue = AdmissionQueue(pool, 16)
+    _busy(fast)
+    queued = [_waiter() for _ in range(6)]
+    for waiter in queued:
+        queue.enqueue(waiter)
+    queue.dispatch()
+    newcomer = _waiter()
+    projection = project(
+        pool,
+        queue.waiting(),
+        newcomer,
+        OutputLengths(),
+        now=trio.current_time(),
+        elapsed_s=0.0,
+        overhead_s=0.0,
+    )
+    assert projection is not None
+    # The replay puts the newcomer where the dispatcher, walking the same plan, would.
+    plan = queue.plan()
+    for waiter in queue.waiting():
+        plan.place(waiter)
+    chosen = plan.choose(newcomer)
+    assert chosen is not None and projection.engine == chosen.engine.name
+    # Six requests queue for the fast engine, one prefill at a time, and the newcomer after
+    # them: all of that is still sooner than one prefill on the slow engine.
+    one_fast = H100.prefill_ms(4000) / 1000
+    one_slow = SLOW * H100.prefill_ms(4000) / 1000
+    assert 6 * one_fast < one_slow
+    placed = [_placed_on(waiter) for waiter in queued]
+    assert placed == [None] * 6
+    assert projection.engine == "fast"
+
+
+async def test_an_engine_that_stays_busy_past_its_expected_time_loses_the_request(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    pool, fast, _slow = _pool()
+    queue = AdmissionQueue(pool, 16)
+    held = _busy(fast)  # it never gets its first token
+    await nursery.start(queue.run)
+    waiter = _waiter()
+    queue.enqueue(waiter)
+    with trio.fail_after(60):
+        await waiter.decided.wait()
+    assert _placed_on(waiter) == "slow"
+    # A first token already late is expected as late again, so the longer the fast engine
+    # overruns, the later the dispatcher expects it, and the request goes to the slow engine
+    # soon after waiting for the fast one would take longer than the slow one's prefill.
+    expected = held.expected_first_token_at
+    own_fast = H100.prefill_ms(4000) / 1000
+    breakeven = expected + (SLOW - 1) * own_fast
+    assert breakeven < trio.current_time() < breakeven + 0.1 + (breakeven - expected)
+    queue.close()
