@@ -149,3 +149,17 @@ async def test_an_engine_that_stays_busy_past_its_expected_time_loses_the_reques
     breakeven = expected + (SLOW - 1) * own_fast
     assert breakeven < trio.current_time() < breakeven + 0.1 + (breakeven - expected)
     queue.close()
+
+
+async def test_a_drifting_engine_counts_its_time_as_longer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    first, second = _engine("first"), _engine("second")
+    queue = AdmissionQueue(EnginePool([first, second]), 16)
+    plan = queue.plan()
+    assert (chosen := plan.choose(_waiter())) is not None and chosen.engine is first  # a tie
+    for _ in range(20):  # its first tokens come at twice their predicted time
+        first.observe_ttft(0.2, 0.1)
+    assert first.placement_penalty > 1.5
+    slot = queue.place_now(_waiter())
+    assert slot is not None and slot.engine is second

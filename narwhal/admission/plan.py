@@ -277,10 +277,10 @@ class Plan:
         """The engine ``waiter`` goes to (``None``: no eligible engine can serve it).
 
         The earliest first token among the engines that can serve it, those inside the TPOT
-        target first.
+        target first; a drifting engine's time counts as longer by its placement penalty.
         """
         best: EnginePlan | None = None
-        best_key = (True, math.inf)  # (over the TPOT target, first token)
+        best_key = (True, math.inf)  # (over the TPOT target, penalised time to first token)
         for plan in self.engines:
             engine = plan.engine
             if waiter.need_token_ids and not engine.provides_token_ids:
@@ -288,7 +288,10 @@ class Plan:
             if not fits(engine, waiter.prompt_tokens):
                 continue
             slow = plan.tpot_with(waiter.prompt_tokens) > self.tpot_target_s
-            key = (slow, plan.first_token(waiter.prompt_tokens))
+            # A drifting engine's predictions are not to be trusted as they are: its time to
+            # the first token counts as longer (Engine.placement_penalty, 1 without drift).
+            wait = plan.first_token(waiter.prompt_tokens) - self.now
+            key = (slow, wait * engine.placement_penalty)
             if best is None or key < best_key:
                 best, best_key = plan, key
         return best
