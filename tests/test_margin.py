@@ -13,13 +13,7 @@ BUDGET = 2.0
 def _waited(margin: SafetyMargin, predicted_wait: float, observed_wait: float) -> None:
     """A request that waited: 10 ms in the router, 0.1 s of own prefill, as predicted."""
     fixed, own = 0.01, 0.1
-    margin.observe(
-        fixed + predicted_wait + own,
-        predicted_wait,
-        own,
-        fixed + observed_wait + own,
-        budget_s=BUDGET,
-    )
+    margin.observe(fixed, predicted_wait, own, fixed + observed_wait + own, budget_s=BUDGET)
 
 
 def test_until_enough_requests_taught_it_the_factor_is_the_prior() -> None:
@@ -38,14 +32,16 @@ def test_the_wait_factor_is_the_99th_percentile_of_observed_over_predicted_wait(
     assert margin.factor == pytest.approx(2.98)
     # Only the wait is cautious: the own prefill keeps its prior.
     assert margin.own.samples == 0
-    assert margin.caution_s(1.0, 0.0) == pytest.approx(1.98)
+    # The typical wait is the median's (2.0 s); the projection decided on is at the factor.
+    assert margin.typical(1.0, 0.0)[0] == pytest.approx(2.0)
+    assert margin.caution_s(1.0, 0.0) == pytest.approx(0.98)
 
 
 def test_the_parts_that_do_not_wait_are_taken_out_of_the_observed_wait() -> None:
     margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
     # 0.5 s predicted wait, 0.3 s own prefill, 0.2 s in the router: observed 1.5 s, so the
     # wait was 1.0 s, twice the prediction.
-    margin.observe(1.0, 0.5, 0.3, 1.5, budget_s=BUDGET)
+    margin.observe(0.2, 0.5, 0.3, 1.5, budget_s=BUDGET)
     assert margin.factor == pytest.approx(2.0)
     assert margin.wait.samples == 1
 
@@ -59,7 +55,7 @@ def test_short_waits_do_not_teach_the_wait_factor() -> None:
 def test_a_long_prompt_that_hardly_waited_teaches_the_own_prefill_factor() -> None:
     margin = SafetyMargin(own=Ratios(prior=1.25, min_samples=1))
     # 1.2 s of own prefill, 10 ms of wait: it came at 1.5 s, its prefill took 1.48 s.
-    margin.observe(1.22, 0.01, 1.2, 1.5, budget_s=BUDGET)
+    margin.observe(0.01, 0.01, 1.2, 1.5, budget_s=BUDGET)
     assert margin.own.samples == 1 and margin.wait.samples == 0
     assert margin.own.factor == pytest.approx(1.48 / 1.2)
     assert margin.caution_s(0.0, 1.2) == pytest.approx(0.28)
@@ -67,16 +63,23 @@ def test_a_long_prompt_that_hardly_waited_teaches_the_own_prefill_factor() -> No
 
 def test_a_wait_as_long_as_the_prefill_teaches_neither_the_own_factor() -> None:
     margin = SafetyMargin(own=Ratios(prior=1.25, min_samples=1))
-    margin.observe(0.2, 0.09, 0.1, 0.5, budget_s=BUDGET)  # wait under the floor, but not short
+    margin.observe(0.01, 0.09, 0.1, 0.5, budget_s=BUDGET)  # under the floor, but not short
     assert margin.own.samples == 0 and margin.wait.samples == 0
+    assert margin.own_bias.samples == 0
 
 
-def test_the_factor_never_goes_below_its_floor() -> None:
-    margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
+def test_waits_shorter_than_predicted_lower_the_wait_factor_below_one() -> None:
+    margin = SafetyMargin(wait=Ratios(prior=2.0, least=0.0, min_samples=1))
     for _ in range(10):
         _waited(margin, 1.0, 0.5)
-    assert margin.factor == margin.wait.least == 1.0
+    assert margin.factor == pytest.approx(0.5)
     assert margin.caution_s(1.0, 1.0) == pytest.approx(0.25)  # the own prior is still 1.25
+
+
+def test_the_own_factor_never_goes_below_one() -> None:
+    margin = SafetyMargin(own=Ratios(prior=1.25, min_samples=1))
+    margin.observe(0.01, 0.0, 1.0, 0.51, budget_s=BUDGET)  # half its predicted prefill
+    assert margin.own.factor == margin.own.least == 1.0
 
 
 def test_the_window_forgets_old_errors() -> None:
@@ -87,3 +90,25 @@ def test_the_window_forgets_old_errors() -> None:
     for _ in range(10):
         _waited(margin, 1.0, 1.5)
     assert margin.factor == pytest.approx(1.5)
+
+
+def test_the_typical_parts_are_corrected_by_their_median_ratio() -> None:
+    margin = SafetyMargin(
+        wait=Ratios(prior=2.0, min_samples=3),
+        own_bias=Ratios(prior=1.0, least=0.0, min_samples=3),
+    )
+    for observed in (1.1, 1.2, 1.3):
+        _waited(margin, 1.0, observed)
+    for observed in (0.018, 0.02, 0.05):  # short prompts that did not wait: 20 ms predicted
+        margin.observe(0.0, 0.0, 0.02, observed, budget_s=BUDGET)
+    assert margin.typical(1.0, 0.02) == pytest.approx((1.2, 0.02))
+    # Decided on at the factor: the 99th percentile of the three waits is the longest.
+    assert margin.caution_s(1.0, 0.0) == pytest.approx(1.3 - 1.2)
+
+
+def test_a_queue_that_overruns_now_raises_the_wait_factor_at_once() -> None:
+    margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
+    _waited(margin, 1.0, 1.2)
+    assert margin.caution_s(1.0, 0.0) == pytest.approx(0.0)  # one sample: factor = bias
+    assert margin.caution_s(1.0, 0.0, overrun=1.8) == pytest.approx(1.8 - 1.2)
+    assert margin.caution_s(1.0, 0.0, overrun=1.1) == pytest.approx(0.0)

@@ -163,3 +163,18 @@ async def test_a_drifting_engine_counts_its_time_as_longer(
     assert first.placement_penalty > 1.5
     slot = queue.place_now(_waiter())
     assert slot is not None and slot.engine is second
+
+
+async def test_the_queue_tells_how_far_its_waiters_overran_their_projected_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool, _fast, _slow = _pool()
+    queue = AdmissionQueue(pool, 16)
+    assert queue.overrun(trio.current_time(), 0.1) == 0.0
+    late, short, unprojected = _waiter(), _waiter(), _waiter()
+    late.projected_wait_s, short.projected_wait_s = 1.0, 0.05
+    for waiter in (late, short, unprojected):
+        queue.enqueue(waiter)
+    await trio.sleep(1.5)
+    # Only waits projected at the floor or above count: 1.5 s waited for a 1 s projection.
+    assert queue.overrun(trio.current_time(), 0.1) == pytest.approx(1.5)

@@ -16,10 +16,14 @@ parts are not equally uncertain.
   hardly waited, so that a long prompt on an idle engine is judged by how well the model
   predicts long prompts, not by how long queues run.
 
-The projection decided on is ``typical + (wait_factor - 1) * wait + (own_factor - 1) * own``.
-A request that waits for nothing is not made to look longer than its own prefill's error
-allows, and a burst's long queue is not trusted further than the queue's error.
-Until enough requests have taught a factor, it is a cautious prior.
+The typical projection corrects each part by its learned bias (the median of its observed
+ratios), and the projection decided on takes each part at its factor instead:
+``fixed + wait_factor * wait + own_factor * own``. A request that waits for nothing is not made
+to look longer than its own prefill's error allows, and a burst's long queue is not trusted
+further than the queue's error. The learned factor only knows requests that have finished
+waiting; when the requests waiting now have already overrun their predicted waits by more
+(the queue runs late now), that overrun is the wait factor. Until enough requests have taught
+a factor, it is a cautious prior.
 """
 
 from __future__ import annotations
@@ -61,6 +65,14 @@ class Ratios:
         return max(self.least, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
 
     @property
+    def median(self) -> float:
+        """The median of the ratios held (1.0 before ``min_samples``): the prediction's bias."""
+        ordered = self._ordered
+        if len(ordered) < self.min_samples:
+            return 1.0
+        return ordered[len(ordered) // 2]
+
+    @property
     def samples(self) -> int:
         """How many ratios it holds."""
         return len(self._recent)
@@ -75,11 +87,16 @@ class Ratios:
 
 
 def _wait_ratios() -> Ratios:
-    return Ratios(prior=2.0)
+    # No floor: waits that come in well under their prediction let more requests in.
+    return Ratios(prior=2.0, least=0.0)
 
 
 def _own_ratios() -> Ratios:
     return Ratios(prior=1.25)
+
+
+def _bias_ratios() -> Ratios:
+    return Ratios(prior=1.0, least=0.0)
 
 
 @attrs.define
@@ -87,18 +104,21 @@ class SafetyMargin:
     """How much later than typical a first token may come: on the wait, and on the own prefill.
 
     Attributes:
-        wait: ratios of observed to predicted wait.
-        own: ratios of observed to predicted own prefill.
+        wait: ratios of observed to predicted wait, from requests that waited.
+        own: ratios of observed to predicted own prefill, from long prompts that hardly waited.
+        own_bias: the same ratios from every request that hardly waited, whatever its size:
+            their median corrects the typical own prefill.
         floor_share: a predicted wait (or own prefill) under this share of the budget does not
             teach its factor: short times have the largest relative error (a prompt that shares
             its step with an unforeseen neighbour takes twice its 30 ms) and it does not matter
             there (twice 30 ms is still far inside a 2 s budget).
-        own_only_share: a request teaches the own-prefill factor only when its predicted wait
+        own_only_share: a request teaches the own-prefill ratios only when its predicted wait
             was under this share of its own prefill (its TTFT was its prefill's).
     """
 
     wait: Ratios = attrs.field(factory=_wait_ratios)
     own: Ratios = attrs.field(factory=_own_ratios)
+    own_bias: Ratios = attrs.field(factory=_bias_ratios)
     floor_share: float = 0.05
     own_only_share: float = 0.25
 
@@ -112,27 +132,46 @@ class SafetyMargin:
         """How many requests taught the wait factor."""
         return self.wait.samples
 
-    def caution_s(self, wait_s: float, own_prefill_s: float) -> float:
-        """What the projection adds to the typical first token (seconds, never negative)."""
-        wait = max(0.0, self.wait.factor - 1.0) * max(0.0, wait_s)
-        own = max(0.0, self.own.factor - 1.0) * max(0.0, own_prefill_s)
+    def typical(self, wait_s: float, own_prefill_s: float) -> tuple[float, float]:
+        """The wait and own prefill as typically observed: the predictions, corrected by the
+        median of their observed ratios (their learned bias)."""
+        return wait_s * self.wait.median, own_prefill_s * self.own_bias.median
+
+    def caution_s(self, wait_s: float, own_prefill_s: float, overrun: float = 0.0) -> float:
+        """What the projection adds to the typical first token (seconds, never negative).
+
+        Args:
+            wait_s: the predicted wait.
+            own_prefill_s: the predicted own prefill.
+            overrun: how far the requests waiting now have already overrun their own
+                predicted waits (the largest ratio of time waited so far to predicted wait): a
+                lower bound on the wait's error now, which the learned factor, taught by
+                requests that have finished waiting, only shows later.
+        """
+        typical_wait, typical_own = self.typical(wait_s, own_prefill_s)
+        wait_factor = max(self.wait.factor, overrun)
+        wait = max(0.0, wait_factor * wait_s - typical_wait)
+        own = max(0.0, self.own.factor * own_prefill_s - typical_own)
         return wait + own
 
     def observe(
         self,
-        typical_s: float,
+        fixed_s: float,
         wait_s: float,
         own_prefill_s: float,
         observed_s: float,
         *,
         budget_s: float,
     ) -> None:
-        """An admitted request projected at ``typical_s`` (of which ``wait_s`` waiting and
-        ``own_prefill_s`` its own prefill) saw its first token at ``observed_s``."""
+        """An admitted request saw its first token at ``observed_s`` from arrival, where
+        ``wait_s`` waiting and ``own_prefill_s`` of its own prefill were predicted, after
+        ``fixed_s`` (the time in the router and the overhead, which do not wait)."""
         floor = self.floor_share * budget_s
-        fixed = typical_s - wait_s - own_prefill_s  # in the router, front end, overhead
         if wait_s >= floor:
             # What the wait really was, taking the parts that do not wait as predicted.
-            self.wait.add((observed_s - fixed - own_prefill_s) / wait_s)
-        elif own_prefill_s >= floor and wait_s < self.own_only_share * own_prefill_s:
-            self.own.add((observed_s - fixed - wait_s) / own_prefill_s)
+            self.wait.add((observed_s - fixed_s - own_prefill_s) / wait_s)
+        elif own_prefill_s > 0 and wait_s < self.own_only_share * own_prefill_s:
+            ratio = (observed_s - fixed_s - wait_s) / own_prefill_s
+            self.own_bias.add(ratio)
+            if own_prefill_s >= floor:
+                self.own.add(ratio)

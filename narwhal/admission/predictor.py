@@ -47,13 +47,16 @@ class Projection:
     Attributes:
         ttft_s: the projection admission decides on: ``typical_s`` plus the safety margin's
             caution on the wait and the own prefill.
-        typical_s: the typical first token (as likely earlier as later).
-        wait_s: the wait for a seat and the prefills ahead.
-        own_prefill_s: the request's own prefill.
+        typical_s: the typical first token (as likely earlier as later): the parts below,
+            the wait and the own prefill corrected by their learned bias.
+        wait_s: the wait for a seat and the prefills ahead, as the plan predicts it.
+        own_prefill_s: the request's own prefill, as the forecast predicts it.
         prompt_alone_s: the prompt alone on the fastest idle eligible engine.
         engine: where it would go.
         beyond_context: the prompt is longer than every eligible engine's context: the engine
             is to refuse it, so admission does not.
+        fixed_s: the parts that do not wait: the time already spent in the router and
+            ``frontend_overhead_s``.
     """
 
     ttft_s: float
@@ -63,6 +66,7 @@ class Projection:
     prompt_alone_s: float
     engine: str
     beyond_context: bool = False
+    fixed_s: float = 0.0
 
 
 def project(
@@ -77,6 +81,7 @@ def project(
     margin: SafetyMargin | None = None,
     tpot_target_s: float = math.inf,
     plan: Plan | None = None,
+    overrun: float = 0.0,
 ) -> Projection | None:
     """Project the TTFT of a request arriving now; ``None`` when no engine could serve it.
 
@@ -93,6 +98,8 @@ def project(
         plan: the rule already walked over ``ahead`` (the queue keeps one,
             :meth:`~narwhal.admission.queue.AdmissionQueue.current_plan`); without it, the
             walk is made here.
+        overrun: how far the requests waiting now have overrun their predicted waits
+            (:meth:`~narwhal.admission.queue.AdmissionQueue.overrun`).
     """
     engines = list(engines)
     over = beyond_context(engines, request.prompt_tokens, request.need_token_ids)
@@ -116,26 +123,32 @@ def project(
         and fits(p.engine, request.prompt_tokens)
     )
     return _projection(
-        elapsed_s + (first_token_at - now) + overhead_s,
+        elapsed_s + overhead_s,
         start - now,
         first_token_at - start,
         alone + overhead_s,
         chosen.engine,
         margin,
+        overrun=overrun,
     )
 
 
 def _projection(
-    typical_s: float,
+    fixed_s: float,
     wait_s: float,
     own_prefill_s: float,
     prompt_alone_s: float,
     engine: Engine,
     margin: SafetyMargin | None,
     *,
+    overrun: float = 0.0,
     beyond_context: bool = False,
 ) -> Projection:
-    caution = 0.0 if margin is None else margin.caution_s(wait_s, own_prefill_s)
+    typical_wait, typical_own, caution = wait_s, own_prefill_s, 0.0
+    if margin is not None:
+        typical_wait, typical_own = margin.typical(wait_s, own_prefill_s)
+        caution = margin.caution_s(wait_s, own_prefill_s, overrun)
+    typical_s = fixed_s + typical_wait + typical_own
     return Projection(
         ttft_s=typical_s + caution,
         typical_s=typical_s,
@@ -144,6 +157,7 @@ def _projection(
         prompt_alone_s=prompt_alone_s,
         engine=engine.name,
         beyond_context=beyond_context,
+        fixed_s=fixed_s,
     )
 
 
@@ -164,7 +178,7 @@ def _beyond_context(
     start = max(now, forecast.free_at)
     first_token_at = forecast.predict(tokens, now)
     return _projection(
-        elapsed_s + (first_token_at - now) + overhead_s,
+        elapsed_s + overhead_s,
         start - now,
         first_token_at - start,
         forecast.standalone_s(tokens) + overhead_s,

@@ -68,6 +68,8 @@ class Waiter:
     slot: Slot | None = None
     failure: NarwhalError | None = None
     withdrawn: bool = False
+    # The wait its projection at arrival predicted (predictive and shadow modes).
+    projected_wait_s: float | None = None
     # Where the queue's plan sends it, and when it expects to place it there.
     planned: EnginePlan | None = attrs.field(default=None, repr=False)
     planned_at: float = math.inf
@@ -146,6 +148,19 @@ class AdmissionQueue:
         else:
             plan.advance(now)
         return plan
+
+    def overrun(self, now: float, floor_s: float) -> float:
+        """How far the waiting requests have overrun their projected waits: the largest ratio
+        of the time one has waited so far to the wait its projection predicted, among those
+        whose predicted wait was at least ``floor_s`` (0 when none is waiting)."""
+        worst = 0.0
+        for waiter in self._waiting:
+            predicted = waiter.projected_wait_s
+            if predicted is not None and predicted >= floor_s:
+                ratio = (now - waiter.enqueued_at) / predicted
+                if ratio > worst:
+                    worst = ratio
+        return worst
 
     def _walk(self, plan: Plan, waiter: Waiter) -> None:
         placed = plan.place(waiter)

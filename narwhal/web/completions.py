@@ -208,7 +208,7 @@ async def _answer(
     if projection is not None:  # the margin learns how the projection fared (shadow mode too)
         teach = partial(
             router.margin.observe,
-            projection.typical_s,
+            projection.fixed_s,
             projection.wait_s,
             projection.own_prefill_s,
             budget_s=decision.budget_s,
@@ -267,10 +267,12 @@ def _admit(router: Router, waiter: Waiter, arrival: float) -> Decision:
             margin=router.margin,
             tpot_target_s=admission.tpot_target_s,
             plan=router.queue.current_plan(),
+            overrun=router.queue.overrun(now, router.margin.floor_share * budget),
         )
         serviceable = projection is not None
         if projection is not None:
             refusal = judge(projection, budget)
+            waiter.projected_wait_s = projection.wait_s
     verdict: Verdict = "admitted"
     if not serviceable:
         verdict = "unavailable"
