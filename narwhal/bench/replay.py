@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import ctypes
 import gc
+import logging
 import os
 import random
 import time
@@ -378,6 +379,22 @@ async def _send(
         raise
 
 
+_PER_REQUEST_LOGGERS = ("narwhal.upstream.exchange", "narwhal.web.completions")
+
+
+@contextlib.contextmanager
+def _router_warnings_quiet() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _PER_REQUEST_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _answered(probe: _Probe) -> None:
     """The forced request of a rerun has its answer (its first output, or an error): what
     comes after cannot change it, so the rerun ends here."""
@@ -585,12 +602,18 @@ class ReplayResult:
 
 
 def run_replay(job: ReplayJob) -> ReplayResult:
-    """Replay the trace at ``job.rate`` in ``job.mode``."""
+    """Replay the trace at ``job.rate`` in ``job.mode``.
+
+    The router's warnings about single requests (an engine's 503 in ``engine-cap`` mode, for
+    every refused request) are held back for the run: the outcomes count them; its errors
+    still show.
+    """
     started = time.perf_counter()
     deterministic = seed_scheduler(job.setup.seed)
-    result: ReplayResult = trio.run(
-        partial(_replay, job), clock=trio.testing.MockClock(autojump_threshold=0)
-    )
+    with _router_warnings_quiet():
+        result: ReplayResult = trio.run(
+            partial(_replay, job), clock=trio.testing.MockClock(autojump_threshold=0)
+        )
     return attrs.evolve(result, wall_s=time.perf_counter() - started, deterministic=deterministic)
 
 
