@@ -10,8 +10,9 @@ Definitions (``benchmarks/README.md`` says the same for readers of the report):
 
 * **admitted**: passed admission, i.e. was not refused (429 ``ttft_budget_exceeded`` or
   ``prompt_exceeds_ttft_budget``), rejected (429 ``admission_queue_full`` or
-  ``http_retention_full``), invalid, or unavailable (503). A request admitted and then expired
-  in the queue (504) counts as admitted and outside the budget.
+  ``http_retention_full``), invalid, unavailable (503), or refused by the engines' own
+  admission (``engine_busy``: the ``engine-cap`` baseline's 503s). A request admitted and then
+  expired in the queue (504) counts as admitted and outside the budget.
 * **in budget**: admitted, with its first output event at most ``budget`` seconds after it was
   sent.
 * **goodput**: requests in budget *and* completed, per second, among those arriving in the
