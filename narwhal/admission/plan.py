@@ -137,6 +137,7 @@ class EnginePlan:
         "batch",
         "census",
         "context",
+        "decoding",
         "engine",
         "free",
         "now",
@@ -154,9 +155,12 @@ class EnginePlan:
         self.backlog = forecast.pipeline
         self.tpot_s = forecast.tpot_s()
         # What one more sequence would decode beside (PrefillForecast.tpot_with, as it is now:
-        # the replay does not grow the batch).
+        # the TPOT check does not grow the batch).
         self.batch = forecast.decoding + forecast.in_prefill + 1
         self.context = forecast.decode_context + sum(p.tokens for p in forecast.pending.values())
+        # The decoding batch the replay's prefills run beside, as it grows: every request in
+        # prefill and every one the replay places will decode, every seat freed is one less.
+        self.decoding = (self.batch - 1, self.context)
         # The running requests as they are now: the dispatcher places for real as it walks
         # the plan, and each placement is in the plan already.
         self.slots = list(engine.slots)
@@ -191,6 +195,9 @@ class EnginePlan:
         if self.free:
             self.free -= 1
             return self.now
+        sequences, context = self.decoding
+        if sequences:  # the seat is one a decoding request frees: the batch loses it
+            self.decoding = (sequences - 1, context - context // sequences)
         if self.placed and self.placed[0] < self.ends.next():
             return heapq.heappop(self.placed)
         return self.ends.take()
@@ -209,7 +216,9 @@ class EnginePlan:
     def first_token(self, tokens: int) -> float:
         """When a request placed here next would get its first token."""
         at = self.placement()
-        return self.engine.forecast.predict(tokens, at, self.backlog) if at < math.inf else at
+        if at == math.inf:
+            return at
+        return self.engine.forecast.predict(tokens, at, self.backlog, self.decoding)
 
     def take(self, waiter: Waiter) -> None:
         """Place ``waiter`` here, as the dispatcher will."""
@@ -218,7 +227,9 @@ class EnginePlan:
             heapq.heappush(self.prefill_free, at)
             return
         forecast = self.engine.forecast
-        self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog)
+        self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog, self.decoding)
+        sequences, context = self.decoding
+        self.decoding = (sequences + 1, context + waiter.prompt_tokens)  # it decodes next
         first = self.backlog.free_at + forecast.latency_s
         heapq.heappush(self.prefill_free, first)  # its prefill slot frees at its first token
         rest = self.census.remaining(waiter.route, waiter.max_tokens)

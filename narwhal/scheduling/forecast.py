@@ -118,12 +118,14 @@ class PrefillForecast:
         """When the placed compute is predicted done (Trio clock seconds)."""
         return self.pipeline.free_at
 
-    def _step(self) -> tuple[int, float]:
-        """A step's prompt-token budget, and its cost (ms) beside the decoding batch."""
+    def _step(self, batch: tuple[int, int] | None = None) -> tuple[int, float]:
+        """A step's prompt-token budget, and its cost (ms) beside the decoding batch (as it is
+        now, or ``batch``: its sequences and their context tokens)."""
         profile = self.profile
-        budget = max(1, profile.max_num_batched_tokens - self.decoding)
-        if self.decoding:
-            return budget, profile.decode_step_ms(self.decoding, self.decode_context)
+        decoding, context = (self.decoding, self.decode_context) if batch is None else batch
+        budget = max(1, profile.max_num_batched_tokens - decoding)
+        if decoding:
+            return budget, profile.decode_step_ms(decoding, context)
         return budget, profile.prefill_base_ms
 
     def tpot_with(self, tokens: int) -> float:
@@ -155,22 +157,41 @@ class PrefillForecast:
         """The prompt's time to first token on an idle engine: the least it can take here."""
         return self.profile.prefill_ms(tokens) / 1000 * self.scale + self.latency_s
 
-    def predict(self, tokens: int, now: float, backlog: Backlog | None = None) -> float:
+    def predict(
+        self,
+        tokens: int,
+        now: float,
+        backlog: Backlog | None = None,
+        batch: tuple[int, int] | None = None,
+    ) -> float:
         """When a prompt placed now would get its first token (absolute time).
 
         Args:
             tokens: the prompt.
             now: when it is placed.
             backlog: the work ahead of it (default: :attr:`pipeline`).
+            batch: the decoding batch its steps run beside, ``(sequences, context tokens)``
+                (default: the batch as it is now).
         """
-        return self.after(tokens, now, backlog).free_at + self.latency_s
+        return self.after(tokens, now, backlog, batch).free_at + self.latency_s
 
-    def after(self, tokens: int, now: float, backlog: Backlog | None = None) -> Backlog:
-        """The backlog once a prompt placed at ``now`` has joined ``backlog`` (or the pipeline)."""
-        return self._cost(tokens, now, backlog)[0]
+    def after(
+        self,
+        tokens: int,
+        now: float,
+        backlog: Backlog | None = None,
+        batch: tuple[int, int] | None = None,
+    ) -> Backlog:
+        """The backlog once a prompt placed at ``now`` has joined ``backlog`` (or the pipeline),
+        its steps beside ``batch`` (see :meth:`predict`)."""
+        return self._cost(tokens, now, backlog, batch)[0]
 
     def _cost(
-        self, tokens: int, now: float, backlog: Backlog | None
+        self,
+        tokens: int,
+        now: float,
+        backlog: Backlog | None,
+        batch: tuple[int, int] | None = None,
     ) -> tuple[Backlog, float, float]:
         """The backlog after the prompt, its profiled compute and its wait for a running step.
 
@@ -178,7 +199,7 @@ class PrefillForecast:
         what is left of the decode step running now, from when output last arrived.
         """
         ahead = self.pipeline if backlog is None else backlog
-        budget, step_ms = self._step()
+        budget, step_ms = self._step(batch)
         wait_s = 0.0
         if ahead.free_at <= now:
             ahead = Backlog(now, 0, now)
