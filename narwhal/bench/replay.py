@@ -43,7 +43,15 @@ import trio.testing
 
 from narwhal.admission.observer import Decision, Served
 from narwhal.bench import procstat
-from narwhal.bench.goodput import ENGINE_BUSY, Capacity, CostModel, Outcome, Work
+from narwhal.bench.goodput import (
+    ENGINE_BUSY,
+    Capacity,
+    CostModel,
+    Outcome,
+    Window,
+    Work,
+    work_in_window,
+)
 from narwhal.bench.inprocess import EngineTruth, InProcessFleet, open_fleet
 from narwhal.bench.load import StreamTimer, percentile
 from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncate
@@ -422,7 +430,9 @@ class CapacityJob:
     what it offers is the trace's mix. Its first wave starts at once, and its short requests
     end first: the warm-up lasts until every request of that wave has ended, so the window
     does not see a mix favouring short requests, and the window lasts until it has completed
-    ``passes`` times the trace's rows. The truth's slowdowns are in force from the start, so
+    ``passes`` times the trace's rows. The requests in flight then finish, and the capacity is
+    the engine work done inside the window (:func:`~narwhal.bench.goodput.work_in_window`,
+    as goodput counts it) per second. The truth's slowdowns are in force from the start, so
     the loop measures the engines in that state.
 
     Attributes:
@@ -489,6 +499,8 @@ async def _capacity(job: CapacityJob) -> Capacity:
 
         async def worker() -> None:
             for number in numbers:
+                if bounds:  # the window has closed: what is in flight finishes, no more
+                    return
                 row = attrs.evolve(order[number % len(order)], index=number)
                 body = chat_body(config.serving.model, row, max_tokens=setup.max_tokens)
                 await _send(fleet, row, body, origin, outcomes)
@@ -516,7 +528,9 @@ async def _capacity(job: CapacityJob) -> Capacity:
                 await trio.sleep(1.0)
             now = trio.current_time() - origin
             bounds.extend((now if start is None else start, now))
-            cancel.cancel()
+            # The requests in flight finish (their work inside the window counts), within the
+            # loop's time limit.
+            cancel.deadline = trio.current_time() + job.max_s
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(measure, nursery.cancel_scope)
@@ -531,10 +545,11 @@ async def _capacity(job: CapacityJob) -> Capacity:
         if o.completed and o.end_s is not None and start <= o.end_s <= stop
     ]
     ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
-    engine_s = sum(work.seconds(o.prompt_tokens, o.output_tokens) for o in done)
     trace_mean = work.mean(rows)
-    done_mean = engine_s / len(done) if done else None
-    engine_rate = engine_s / window
+    done_mean = work.mean(done) if done else None
+    # The work done inside the window, as goodput counts it (every request in flight having
+    # finished): the same estimator on both sides of the bound.
+    engine_rate = work_in_window(work, outcomes.values(), Window(start, stop)) / window
     return Capacity(
         rps=engine_rate / trace_mean if trace_mean > 0 else len(done) / window,
         engine_s_per_s=engine_rate,
