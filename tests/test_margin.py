@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.admission.margin import Ratios, SafetyMargin
+from narwhal.admission.margin import WAIT_BANDS, Ratios, SafetyMargin, WaitFactors
 
 BUDGET = 2.0
+
+
+def waits(*, prior: float = 2.0, min_samples: int = 32, window: int = 512) -> WaitFactors:
+    """Wait factors whose every band (and their union) learn as ``Ratios`` of these."""
+
+    def ratios() -> Ratios:
+        return Ratios(prior=prior, least=0.0, min_samples=min_samples, window=window)
+
+    return WaitFactors(prior, tuple(ratios() for _ in WAIT_BANDS), ratios())
 
 
 def _waited(margin: SafetyMargin, predicted_wait: float, observed_wait: float) -> None:
@@ -26,7 +35,7 @@ def test_until_enough_requests_taught_it_the_factor_is_the_prior() -> None:
 
 
 def test_the_wait_factor_is_the_99th_percentile_of_observed_over_predicted_wait() -> None:
-    margin = SafetyMargin(wait=Ratios(prior=2.0, window=100))
+    margin = SafetyMargin(waits=waits(prior=2.0, window=100))
     for number in range(100):
         _waited(margin, 1.0, 1.0 + number / 50)  # ratios 1.00 .. 2.98
     assert margin.factor == pytest.approx(2.98)
@@ -38,7 +47,7 @@ def test_the_wait_factor_is_the_99th_percentile_of_observed_over_predicted_wait(
 
 
 def test_the_parts_that_do_not_wait_are_taken_out_of_the_observed_wait() -> None:
-    margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
+    margin = SafetyMargin(waits=waits(prior=2.0, min_samples=1))
     # 0.5 s predicted wait, 0.3 s own prefill, 0.2 s in the router: observed 1.5 s, so the
     # wait was 1.0 s, twice the prediction.
     margin.observe(0.2, 0.5, 0.3, 1.5, budget_s=BUDGET)
@@ -47,7 +56,7 @@ def test_the_parts_that_do_not_wait_are_taken_out_of_the_observed_wait() -> None
 
 
 def test_short_waits_do_not_teach_the_wait_factor() -> None:
-    margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
+    margin = SafetyMargin(waits=waits(prior=2.0, min_samples=1))
     _waited(margin, 0.04, 0.08)  # under 5 % of the budget
     assert margin.wait.samples == 0 and margin.factor == 2.0
 
@@ -69,7 +78,7 @@ def test_a_wait_as_long_as_the_prefill_teaches_neither_the_own_factor() -> None:
 
 
 def test_waits_shorter_than_predicted_lower_the_wait_factor_below_one() -> None:
-    margin = SafetyMargin(wait=Ratios(prior=2.0, least=0.0, min_samples=1))
+    margin = SafetyMargin(waits=waits(prior=2.0, min_samples=1))
     for _ in range(10):
         _waited(margin, 1.0, 0.5)
     assert margin.factor == pytest.approx(0.5)
@@ -83,7 +92,7 @@ def test_the_own_factor_never_goes_below_one() -> None:
 
 
 def test_the_window_forgets_old_errors() -> None:
-    margin = SafetyMargin(wait=Ratios(prior=2.0, window=10, min_samples=1))
+    margin = SafetyMargin(waits=waits(prior=2.0, window=10, min_samples=1))
     for _ in range(10):
         _waited(margin, 1.0, 3.0)
     assert margin.factor == pytest.approx(3.0)
@@ -94,8 +103,7 @@ def test_the_window_forgets_old_errors() -> None:
 
 def test_the_typical_parts_are_corrected_by_their_median_ratio() -> None:
     margin = SafetyMargin(
-        wait=Ratios(prior=2.0, min_samples=3),
-        own_bias=Ratios(prior=1.0, least=0.0, min_samples=3),
+        waits=waits(min_samples=3), own_bias=Ratios(prior=1.0, least=0.0, min_samples=3)
     )
     for observed in (1.1, 1.2, 1.3):
         _waited(margin, 1.0, observed)
@@ -107,8 +115,21 @@ def test_the_typical_parts_are_corrected_by_their_median_ratio() -> None:
 
 
 def test_a_queue_that_overruns_now_raises_the_wait_factor_at_once() -> None:
-    margin = SafetyMargin(wait=Ratios(prior=2.0, min_samples=1))
+    margin = SafetyMargin(waits=waits(prior=2.0, min_samples=1))
     _waited(margin, 1.0, 1.2)
     assert margin.caution_s(1.0, 0.0) == pytest.approx(0.0)  # one sample: factor = bias
     assert margin.caution_s(1.0, 0.0, overrun=1.8) == pytest.approx(1.8 - 1.2)
     assert margin.caution_s(1.0, 0.0, overrun=1.1) == pytest.approx(0.0)
+
+
+def test_a_long_wait_is_judged_by_long_waits_and_an_untaught_band_climbs_a_ladder() -> None:
+    margin = SafetyMargin(waits=waits(min_samples=3))
+    assert margin.waits.factor(1.0, BUDGET) == 2.0  # nothing taught: the prior
+    for observed in (1.1, 1.2, 1.3):  # 1 s waits, half the budget: the band from 0.4
+        _waited(margin, 1.0, observed)
+    assert margin.waits.factor(1.0, BUDGET) == pytest.approx(1.3)
+    # A longer wait, in the band from 0.6 of the budget, has not been seen yet: the factor of
+    # the band below, with more caution; shorter waits have nothing below them: the prior.
+    assert margin.waits.factor(1.4, BUDGET) == pytest.approx(1.3 * 1.15)
+    assert margin.waits.factor(1.8, BUDGET) == pytest.approx(1.3 * 1.15**2)
+    assert margin.waits.factor(0.3, BUDGET) == 2.0

@@ -33,7 +33,7 @@ from collections import deque
 
 import attrs
 
-__all__ = ["Ratios", "SafetyMargin"]
+__all__ = ["WAIT_BANDS", "Ratios", "SafetyMargin", "WaitFactors"]
 
 
 @attrs.define
@@ -91,6 +91,61 @@ def _wait_ratios() -> Ratios:
     return Ratios(prior=2.0, least=0.0)
 
 
+WAIT_BANDS = (0.05, 0.2, 0.4, 0.6, 0.8)
+"""Predicted waits are judged by the error of waits of about their length: these shares of
+the budget start each band."""
+
+_LADDER = 1.15  # a band not yet taught takes the factor of the band below it, times this
+
+
+@attrs.define
+class WaitFactors:
+    """The wait's ratios in bands of predicted wait (:data:`WAIT_BANDS`), so that a long wait
+    is judged by how long waits fare: queueing errors add up along a queue, and under a rising
+    load the short waits that finish first would vouch for the long ones too soon.
+
+    A band with fewer than ``min_samples`` ratios takes the factor of the nearest band below
+    that has them, times 1.15 (a ladder: admitting slightly longer waits, with caution, is how
+    the band learns), or the prior when none has.
+    """
+
+    prior: float = 2.0
+    bands: tuple[Ratios, ...] = attrs.field(
+        factory=lambda: tuple(_wait_ratios() for _ in WAIT_BANDS)
+    )
+    all: Ratios = attrs.field(factory=_wait_ratios)
+
+    def band(self, wait_s: float, budget_s: float) -> int | None:
+        """The band of a predicted wait (``None``: under the first, too short to judge)."""
+        share = wait_s / budget_s if budget_s > 0 else 0.0
+        index = None
+        for number, start in enumerate(WAIT_BANDS):
+            if share >= start:
+                index = number
+        return index
+
+    def factor(self, wait_s: float, budget_s: float) -> float:
+        """The factor for a predicted wait of ``wait_s`` under ``budget_s``."""
+        index = self.band(wait_s, budget_s)
+        if index is None:
+            index = 0
+        climbed = 0
+        while index >= 0:
+            ratios = self.bands[index]
+            if ratios.samples >= ratios.min_samples:
+                return ratios.factor * _LADDER**climbed
+            index -= 1
+            climbed += 1
+        return self.prior
+
+    def add(self, wait_s: float, budget_s: float, ratio: float) -> None:
+        """A request predicted to wait ``wait_s`` waited ``ratio`` times that."""
+        index = self.band(wait_s, budget_s)
+        if index is not None:
+            self.bands[index].add(ratio)
+            self.all.add(ratio)
+
+
 def _own_ratios() -> Ratios:
     return Ratios(prior=1.25)
 
@@ -104,7 +159,7 @@ class SafetyMargin:
     """How much later than typical a first token may come: on the wait, and on the own prefill.
 
     Attributes:
-        wait: ratios of observed to predicted wait, from requests that waited.
+        waits: ratios of observed to predicted wait, from requests that waited, by band.
         own: ratios of observed to predicted own prefill, from long prompts that hardly waited.
         own_bias: the same ratios from every request that hardly waited, whatever its size:
             their median corrects the typical own prefill.
@@ -116,28 +171,41 @@ class SafetyMargin:
             was under this share of its own prefill (its TTFT was its prefill's).
     """
 
-    wait: Ratios = attrs.field(factory=_wait_ratios)
+    waits: WaitFactors = attrs.field(factory=WaitFactors)
     own: Ratios = attrs.field(factory=_own_ratios)
     own_bias: Ratios = attrs.field(factory=_bias_ratios)
     floor_share: float = 0.05
     own_only_share: float = 0.25
 
     @property
+    def wait(self) -> Ratios:
+        """Every wait's ratio, whatever its band: their median is the wait's bias, their high
+        quantile ``narwhal_admission_safety_factor``."""
+        return self.waits.all
+
+    @property
     def factor(self) -> float:
-        """The factor on the predicted wait (``narwhal_admission_safety_factor``)."""
-        return self.wait.factor
+        """The factor on waits of every band together (``narwhal_admission_safety_factor``)."""
+        return self.waits.all.factor
 
     @property
     def samples(self) -> int:
         """How many requests taught the wait factor."""
-        return self.wait.samples
+        return self.waits.all.samples
 
     def typical(self, wait_s: float, own_prefill_s: float) -> tuple[float, float]:
         """The wait and own prefill as typically observed: the predictions, corrected by the
         median of their observed ratios (their learned bias)."""
-        return wait_s * self.wait.median, own_prefill_s * self.own_bias.median
+        return wait_s * self.waits.all.median, own_prefill_s * self.own_bias.median
 
-    def caution_s(self, wait_s: float, own_prefill_s: float, overrun: float = 0.0) -> float:
+    def caution_s(
+        self,
+        wait_s: float,
+        own_prefill_s: float,
+        overrun: float = 0.0,
+        *,
+        budget_s: float = 2.0,
+    ) -> float:
         """What the projection adds to the typical first token (seconds, never negative).
 
         Args:
@@ -147,9 +215,10 @@ class SafetyMargin:
                 predicted waits (the largest ratio of time waited so far to predicted wait): a
                 lower bound on the wait's error now, which the learned factor, taught by
                 requests that have finished waiting, only shows later.
+            budget_s: the budget (the wait's band is a share of it).
         """
         typical_wait, typical_own = self.typical(wait_s, own_prefill_s)
-        wait_factor = max(self.wait.factor, overrun)
+        wait_factor = max(self.waits.factor(wait_s, budget_s), overrun)
         wait = max(0.0, wait_factor * wait_s - typical_wait)
         own = max(0.0, self.own.factor * own_prefill_s - typical_own)
         return wait + own
@@ -169,7 +238,7 @@ class SafetyMargin:
         floor = self.floor_share * budget_s
         if wait_s >= floor:
             # What the wait really was, taking the parts that do not wait as predicted.
-            self.wait.add((observed_s - fixed_s - own_prefill_s) / wait_s)
+            self.waits.add(wait_s, budget_s, (observed_s - fixed_s - own_prefill_s) / wait_s)
         elif own_prefill_s > 0 and wait_s < self.own_only_share * own_prefill_s:
             ratio = (observed_s - fixed_s - wait_s) / own_prefill_s
             self.own_bias.add(ratio)

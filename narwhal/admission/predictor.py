@@ -82,6 +82,7 @@ def project(
     tpot_target_s: float = math.inf,
     plan: Plan | None = None,
     overrun: float = 0.0,
+    budget_s: float = 2.0,
 ) -> Projection | None:
     """Project the TTFT of a request arriving now; ``None`` when no engine could serve it.
 
@@ -100,11 +101,12 @@ def project(
             walk is made here.
         overrun: how far the requests waiting now have overrun their predicted waits
             (:meth:`~narwhal.admission.queue.AdmissionQueue.overrun`).
+        budget_s: ``admission.ttft_budget_s`` (the margin judges a wait by its share of it).
     """
     engines = list(engines)
     over = beyond_context(engines, request.prompt_tokens, request.need_token_ids)
     if over is not None:
-        return _beyond_context(over, request, now, elapsed_s, overhead_s, margin)
+        return _beyond_context(over, request, now, elapsed_s, overhead_s, margin, budget_s)
     if plan is None:
         plan = Plan(engines, lengths, now=now, tpot_target_s=tpot_target_s)
         for waiter in ahead:
@@ -130,6 +132,7 @@ def project(
         chosen.engine,
         margin,
         overrun=overrun,
+        budget_s=budget_s,
     )
 
 
@@ -142,12 +145,13 @@ def _projection(
     margin: SafetyMargin | None,
     *,
     overrun: float = 0.0,
+    budget_s: float = 2.0,
     beyond_context: bool = False,
 ) -> Projection:
     typical_wait, typical_own, caution = wait_s, own_prefill_s, 0.0
     if margin is not None:
         typical_wait, typical_own = margin.typical(wait_s, own_prefill_s)
-        caution = margin.caution_s(wait_s, own_prefill_s, overrun)
+        caution = margin.caution_s(wait_s, own_prefill_s, overrun, budget_s=budget_s)
     typical_s = fixed_s + typical_wait + typical_own
     return Projection(
         ttft_s=typical_s + caution,
@@ -168,6 +172,7 @@ def _beyond_context(
     elapsed_s: float,
     overhead_s: float,
     margin: SafetyMargin | None,
+    budget_s: float,
 ) -> Projection:
     """A prompt longer than every context: what it would see if ``engine`` served it anyway.
 
@@ -184,6 +189,7 @@ def _beyond_context(
         forecast.standalone_s(tokens) + overhead_s,
         engine,
         margin,
+        budget_s=budget_s,
         beyond_context=True,
     )
 

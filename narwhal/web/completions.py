@@ -268,6 +268,7 @@ def _admit(router: Router, waiter: Waiter, arrival: float) -> Decision:
             tpot_target_s=admission.tpot_target_s,
             plan=router.queue.current_plan(),
             overrun=router.queue.overrun(now, router.margin.floor_share * budget),
+            budget_s=budget,
         )
         serviceable = projection is not None
         if projection is not None:
