@@ -181,7 +181,8 @@ def render_report(report: AdmissionReport) -> list[str]:
             f"{capacity.warmup_s:.0f} s of warm-up, {_rate(capacity.completed_rps)} req/s, "
             f"mix {_number(capacity.mix, 2)} of the trace's mean engine time; mean batch "
             f"{_number(capacity.mean_batch)} per engine; engine work: each request's true cost "
-            "averaged over the pool's engines)"
+            f"averaged over the pool's engines, the work done inside the window; noise "
+            f"{_pct(capacity.noise)}, the relative standard error over six parts of the window)"
         )
         if capacity.phases:
             lines.append(

@@ -550,6 +550,7 @@ async def _capacity(job: CapacityJob) -> Capacity:
     # The work done inside the window, as goodput counts it (every request in flight having
     # finished): the same estimator on both sides of the bound.
     engine_rate = work_in_window(work, outcomes.values(), Window(start, stop)) / window
+    noise = _relative_error(work, list(outcomes.values()), start, stop)
     return Capacity(
         rps=engine_rate / trace_mean if trace_mean > 0 else len(done) / window,
         engine_s_per_s=engine_rate,
@@ -561,7 +562,28 @@ async def _capacity(job: CapacityJob) -> Capacity:
         warmup_s=start,
         completed_rps=len(done) / window,
         mix=None if done_mean is None or trace_mean <= 0 else done_mean / trace_mean,
+        noise=noise,
     )
+
+
+_NOISE_PARTS = 6
+
+
+def _relative_error(work: Work, outcomes: list[Outcome], start: float, stop: float) -> float:
+    """The capacity's own noise: the standard error of the work rate over six equal parts of
+    the window (batch means), relative to their mean."""
+    step = (stop - start) / _NOISE_PARTS
+    if step <= 0:
+        return 0.0
+    rates = [
+        work_in_window(work, outcomes, Window(start + i * step, start + (i + 1) * step)) / step
+        for i in range(_NOISE_PARTS)
+    ]
+    mean = sum(rates) / len(rates)
+    if mean <= 0:
+        return 0.0
+    variance = sum((rate - mean) ** 2 for rate in rates) / (len(rates) - 1)
+    return float((variance / len(rates)) ** 0.5 / mean)
 
 
 # -- replay -------------------------------------------------------------------------------------

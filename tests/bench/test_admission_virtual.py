@@ -141,6 +141,7 @@ def test_capacity_is_what_a_saturated_closed_loop_completes_of_the_traces_mix() 
     assert capacity.rps == pytest.approx(capacity.engine_s_per_s / mean)
     assert capacity.mix is not None and 0.8 < capacity.mix < 1.25
     assert capacity.mean_batch is not None and capacity.mean_batch > 20
+    assert 0 < capacity.noise < 0.1  # its own relative standard error
 
 
 def test_a_lone_request_on_idle_engines_takes_their_idle_first_token(
