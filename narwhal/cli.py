@@ -63,6 +63,7 @@ def _usage() -> str:
         "  bench overhead ...        the router's added latency and CPU (direct, Narwhal, "
         "vllm-router)\n"
         "  bench admission ...       goodput and TTFT of replayed traces, predictive vs open\n"
+        "  bench projection ...      the CPU cost of one TTFT projection on a loaded pool\n"
         "  check-config FILE         validate a configuration and print the effective values\n\n"
         "`narwhal COMMAND --help` lists a command's options."
     )
