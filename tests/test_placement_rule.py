@@ -178,3 +178,22 @@ async def test_the_queue_tells_how_far_its_waiters_overran_their_projected_waits
     await trio.sleep(1.5)
     # Only waits projected at the floor or above count: 1.5 s waited for a 1 s projection.
     assert queue.overrun(trio.current_time(), 0.1) == pytest.approx(1.5)
+
+
+async def test_a_request_that_leaves_the_queue_lets_go_of_the_plan(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool, fast, _slow = _pool()
+    queue = AdmissionQueue(pool, 16)
+    held = _busy(fast)
+    placed, withdrawn = _waiter(), _waiter()
+    queue.enqueue(placed)
+    queue.enqueue(withdrawn)
+    queue.dispatch()
+    assert placed.planned is not None and withdrawn.planned is not None
+    held.to_decode()
+    queue.dispatch()
+    queue.withdraw(withdrawn)
+    # Running requests keep their waiter for as long as they stream: it must not pin a plan.
+    assert placed.slot is not None and placed.planned is None
+    assert withdrawn.planned is None

@@ -263,6 +263,7 @@ class AdmissionQueue:
             return
         waiter.withdrawn = True
         self._waiting.pop(waiter, None)
+        waiter.planned = None  # a request that holds on to a plan would keep it alive
         if waiter.slot is not None:
             waiter.slot.release()
             waiter.slot = None
@@ -322,6 +323,7 @@ class AdmissionQueue:
         self, waiter: Waiter, *, slot: Slot | None = None, failure: NarwhalError | None = None
     ) -> None:
         self._waiting.pop(waiter, None)
+        waiter.planned = None
         waiter.slot = slot
         waiter.failure = failure
         waiter.decided.set()
