@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from narwhal.config import EngineConfig
 from narwhal.scheduling.drift import FLOOR_S, Drift
+from narwhal.scheduling.engines import Engine, EnginePool
+from narwhal.scheduling.forecast import PrefillForecast
+from narwhal.scheduling.health import Failure
+from narwhal.scheduling.profiles import get_profile
 
 
 def feed(drift: Drift, ratio: float, count: int, *, predicted: float = 0.1) -> list[str]:
@@ -58,3 +63,71 @@ def test_tiny_predictions_are_not_drift() -> None:
     for _ in range(20):
         drift.observe_ttft(0.004, 0.002)  # twice the prediction, but only 2 ms apart
     assert drift.state == "ok"
+
+
+def test_a_slowdown_the_forecast_learned_is_still_drift_but_no_longer_penalised() -> None:
+    drift = Drift()
+    feed(drift, 1.0, 10)
+    # The engine runs 2x slower than its profiling, and the forecast has learned it: its
+    # predictions are right (residual 1), but the engine is not what was measured.
+    for _ in range(11):
+        drift.observe_ttft(0.2, 0.2, learned=2.0)
+    assert drift.state == "sustained" and drift.wants_profile
+    assert drift.ttft.ratio > 1.8 and drift.ttft.residual == pytest.approx(1.0)
+    assert drift.penalty == 1.0
+
+
+class _Client:
+    async def aclose(self) -> None:
+        pass
+
+
+def pool_of(count: int) -> list[Engine]:
+    engines = [
+        Engine(
+            EngineConfig(name=f"e{n}", url=f"http://e{n}.test"),
+            _Client(),
+            prefill_limit=4,
+            decode_limit=64,
+            forecast=PrefillForecast(get_profile("h100-llama3-8b")),
+            reprofiled_on_drift=True,
+        )
+        for n in range(count)
+    ]
+    EnginePool(engines)
+    for engine in engines:
+        engine.poll_succeeded(0.0)
+    return engines
+
+
+def severe(engine: Engine) -> None:
+    for _ in range(20):
+        engine.observe_ttft(0.5, 0.1)
+
+
+def test_severe_drift_holds_the_engine_unless_it_is_the_last_eligible_one() -> None:
+    drifting, other = pool_of(2)
+    severe(drifting)
+    assert drifting.held_for_drift and not drifting.eligible
+    assert drifting.health.reason(0.0) == ("drift: severe (ttft 4.48x, tpot 1.00x its profiling)")
+    severe(other)  # the last eligible engine keeps serving
+    assert other.eligible and other.drift.state == "severe"
+    # The re-profiling ends the hold and starts the drift again.
+    assert drifting.profiled_now() == "released"
+    assert drifting.eligible and drifting.drift.state == "warming"
+
+
+def test_an_engine_held_for_drift_serves_again_when_no_other_is_eligible() -> None:
+    drifting, other = pool_of(2)
+    severe(drifting)
+    assert not drifting.eligible
+    other.poll_failed(1.0, Failure("connect", "unreachable (connection refused)"))
+    assert not other.eligible
+    assert drifting.eligible and drifting.health.held is None
+
+
+def test_without_re_profiling_severe_drift_only_penalises() -> None:
+    drifting, _ = pool_of(2)
+    drifting.reprofiled_on_drift = False
+    severe(drifting)
+    assert drifting.eligible and drifting.placement_penalty > 3

@@ -7,6 +7,14 @@ Two running ratios per engine, observed over predicted:
 * **TPOT**, once per request, at its end: its inter-token gaps per token, over the forecast's
   time per output token at each gap (:meth:`~narwhal.scheduling.forecast.PrefillForecast.tpot_s`).
 
+The forecast learns online, so its predictions follow a slower engine within a few requests:
+their error alone would hide a slowdown. Drift is measured against the engine as it was last
+measured: each prediction is taken back to the speed of the last profiling by dividing it by
+``learned``, the forecast's learned scale over the scale that profiling fitted
+(:meth:`Drift.observe_ttft`). The ratio thus says how far the engine is from its profiling,
+which a re-profiling corrects; the **residual** (observed over the prediction as it was) says
+how far the forecast still is from the engine, which the placement penalty corrects.
+
 Each is an exponentially weighted moving average of the per-request ratio, each request
 weighing 0.2. A few milliseconds are added to both sides of every ratio
 (:data:`FLOOR_S`) so that the jitter of tiny predictions is not read as drift. The state:
@@ -14,11 +22,12 @@ weighing 0.2. A few milliseconds are added to both sides of every ratio
 * ``warming``: fewer than :attr:`Drift.warm_up` requests of either phase since the last reset;
 * ``ok``: both ratios inside ``1 / 1.5 .. 1.5``;
 * ``sustained``: a ratio beyond 1.5 for :attr:`Drift.sustain` requests in a row. The engine's
-  placement is penalised (:attr:`Drift.penalty`, the worse ratio) and it is re-profiled when it
-  next holds no request;
-* ``severe``: a ratio beyond 3 for :attr:`Drift.sustain` requests in a row: penalised and
-  re-profiled as sustained drift is (taking such an engine out of placement, reason
-  ``drift``, is not done yet: :meth:`EngineHealth.hold` is the means).
+  placement is penalised (:attr:`Drift.penalty`, the worse residual) and it is re-profiled when
+  it next holds no request;
+* ``severe``: a ratio beyond 3 for :attr:`Drift.sustain` requests in a row: penalised, and
+  taken out of placement (reason ``drift: ...``,
+  :meth:`~narwhal.scheduling.engines.Engine.hold_for_drift`) unless it is its pool's last
+  eligible engine; held, it drains, and its re-profiling when idle ends the hold.
 
 An engine faster than its forecast (a ratio below ``1 / 1.5``) is reported ``fast``: it is not
 penalised, and it is re-profiled when idle so that its speed is used.
@@ -46,7 +55,10 @@ class DriftRatio:
 
     Attributes:
         weight: each sample's weight in the moving average.
-        ratio: the moving average (1.0: on the forecast).
+        ratio: the moving average against the last profiling (1.0: the engine runs as it was
+            measured).
+        residual: the moving average against the predictions as they were made (1.0: the
+            forecast, learning included, is right).
         samples: samples seen since the last reset.
         above: samples in a row with the average beyond the sustained threshold.
         far_above: samples in a row with the average beyond the severe threshold.
@@ -55,20 +67,30 @@ class DriftRatio:
 
     weight: float
     ratio: float = 1.0
+    residual: float = 1.0
     samples: int = 0
     above: int = 0
     far_above: int = 0
     below: int = 0
 
     def observe(
-        self, observed_s: float, predicted_s: float, *, sustained: float, severe: float
+        self,
+        observed_s: float,
+        predicted_s: float,
+        *,
+        learned: float = 1.0,
+        sustained: float,
+        severe: float,
     ) -> None:
-        """One sample: ``observed_s`` where ``predicted_s`` was predicted."""
-        if not (observed_s >= 0 and predicted_s >= 0):  # NaN or negative: no sample
+        """One sample: ``observed_s`` where ``predicted_s`` was predicted by a forecast that
+        has learned ``learned`` times the speed of the last profiling."""
+        if not (observed_s >= 0 and predicted_s >= 0 and learned > 0):  # NaN, negative
             return
-        sample = (observed_s + FLOOR_S) / (predicted_s + FLOOR_S)
-        sample = min(max(sample, _RATIO_BOUNDS[0]), _RATIO_BOUNDS[1])
-        self.ratio += self.weight * (sample - self.ratio)
+        residual = (observed_s + FLOOR_S) / (predicted_s + FLOOR_S)
+        sample = (observed_s + FLOOR_S) / (predicted_s / learned + FLOOR_S)
+        low, high = _RATIO_BOUNDS
+        self.residual += self.weight * (min(max(residual, low), high) - self.residual)
+        self.ratio += self.weight * (min(max(sample, low), high) - self.ratio)
         self.samples += 1
         self.above = self.above + 1 if self.ratio > sustained else 0
         self.far_above = self.far_above + 1 if self.ratio > severe else 0
@@ -107,17 +129,33 @@ class Drift:
     ttft: DriftRatio = attrs.field(factory=lambda: DriftRatio(0.2))
     tpot: DriftRatio = attrs.field(factory=lambda: DriftRatio(0.2))
 
-    def observe_ttft(self, observed_s: float, predicted_s: float) -> DriftState:
-        """A first token arrived ``observed_s`` after placement; return the new state."""
+    def observe_ttft(
+        self, observed_s: float, predicted_s: float, *, learned: float = 1.0
+    ) -> DriftState:
+        """A first token arrived ``observed_s`` after placement, where ``predicted_s`` was
+        predicted by a forecast whose prefill scale is ``learned`` times the last profiling's;
+        return the new state."""
         self.ttft.observe(
-            observed_s, predicted_s, sustained=self.sustained_at, severe=self.severe_at
+            observed_s,
+            predicted_s,
+            learned=learned,
+            sustained=self.sustained_at,
+            severe=self.severe_at,
         )
         return self.state
 
-    def observe_tpot(self, observed_s: float, predicted_s: float) -> DriftState:
-        """A request's inter-token gaps came ``observed_s`` per token; return the new state."""
+    def observe_tpot(
+        self, observed_s: float, predicted_s: float, *, learned: float = 1.0
+    ) -> DriftState:
+        """A request's inter-token gaps came ``observed_s`` per token, where ``predicted_s``
+        was predicted with a decode scale ``learned`` times the last profiling's; return the
+        new state."""
         self.tpot.observe(
-            observed_s, predicted_s, sustained=self.sustained_at, severe=self.severe_at
+            observed_s,
+            predicted_s,
+            learned=learned,
+            sustained=self.sustained_at,
+            severe=self.severe_at,
         )
         return self.state
 
@@ -143,10 +181,11 @@ class Drift:
     @property
     def penalty(self) -> float:
         """What placement multiplies the engine's predicted wait by: 1.0 unless drift is
-        sustained or severe, then the worse of the two ratios (at least 1)."""
+        sustained or severe, then the worse of the two residuals (at least 1): what the
+        forecast has not learned yet."""
         if self.state not in ("sustained", "severe"):
             return 1.0
-        return max(1.0, self.ttft.ratio, self.tpot.ratio)
+        return max(1.0, self.ttft.residual, self.tpot.residual)
 
     def reset(self) -> None:
         """Start again (the engine was just profiled: its forecast is new)."""

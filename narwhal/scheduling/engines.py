@@ -92,6 +92,11 @@ class Engine:
     completed: int = 0
     failed: int = 0
     pool_changed: Callable[[], None] = lambda: None
+    # Set by the pool: whether an engine other than this one is eligible (severe drift never
+    # takes the last eligible engine out of placement), and what to do when this one leaves
+    # placement (release drift holds if none is left).
+    others_eligible: Callable[[Engine], bool] = lambda engine: False
+    left_placement: Callable[[], None] = lambda: None
     slots: dict[Slot, None] = attrs.field(factory=dict)  # placed and not yet released
     # Attempts waiting for this engine's response headers: cancelled when its circuit opens,
     # so that they are retried elsewhere instead of waiting out the read timeout.
@@ -103,6 +108,17 @@ class Engine:
     # again when it drifts (narwhal.scheduling.drift).
     drift: Drift = attrs.field(factory=Drift)
     profiled: bool = False
+    # Whether something re-profiles the engine (its health poller, with monitoring.profiling):
+    # only then does severe drift take it out of placement, the re-profiling bringing it back.
+    reprofiled_on_drift: bool = False
+    # The forecast's prefill and decode scales as the last profiling fitted them (the prior's
+    # until then): drift is measured against them, not against what was learned since.
+    profiled_scale: float = attrs.field(init=False)
+    profiled_decode_scale: float = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.profiled_scale = self.forecast.scale
+        self.profiled_decode_scale = self.forecast.decode_scale
 
     @property
     def placement_penalty(self) -> float:
@@ -119,21 +135,53 @@ class Engine:
         """A first token, ``observed_s`` after placement where ``predicted_s`` was predicted.
 
         Sustained and severe drift penalise placement (:attr:`placement_penalty`) and ask for
-        a re-profiling when the engine is next idle (:attr:`wants_profile`).
+        a re-profiling when the engine is next idle (:attr:`wants_profile`); severe drift
+        takes it out of placement at once where it is re-profiled (:meth:`hold_for_drift`).
         """
-        self.drift.observe_ttft(observed_s, predicted_s)
+        learned = self.forecast.scale / self.profiled_scale
+        self.drift.observe_ttft(observed_s, predicted_s, learned=learned)
+        if self.reprofiled_on_drift:
+            self.hold_for_drift()
 
     def observe_tpot(self, observed_s: float, predicted_s: float) -> None:
         """A request's gaps came ``observed_s`` per token where ``predicted_s`` was predicted."""
-        self.drift.observe_tpot(observed_s, predicted_s)
+        learned = self.forecast.decode_scale / self.profiled_decode_scale
+        self.drift.observe_tpot(observed_s, predicted_s, learned=learned)
+        if self.reprofiled_on_drift:
+            self.hold_for_drift()
 
     def hold(self, reason: str) -> Change | None:
         """Keep the engine out of placement for ``reason`` (see :meth:`EngineHealth.hold`)."""
         return self._changed(self.health.hold(reason))
 
+    @property
+    def held_for_drift(self) -> bool:
+        """Whether a severe drift holds the engine out of placement (reason ``drift: ...``)."""
+        held = self.health.held
+        return held is not None and held.startswith("drift")
+
+    def hold_for_drift(self) -> Change | None:
+        """Take the engine out of placement while its drift is severe, until it is re-profiled
+        (:meth:`profiled_now`); never the last eligible engine of its pool (a slow engine
+        serving is better than none). ``held`` when it did."""
+        if self.drift.state != "severe" or not self.eligible or not self.others_eligible(self):
+            return None
+        ttft, tpot = self.drift.ttft.ratio, self.drift.tpot.ratio
+        return self.hold(f"drift: severe (ttft {ttft:.2f}x, tpot {tpot:.2f}x its profiling)")
+
+    def release_drift(self) -> Change | None:
+        """End a drift hold (no other engine is eligible any more); ``released`` when that made
+        the engine eligible again."""
+        if not self.held_for_drift:
+            return None
+        return self._changed(self.health.release())
+
     def profiled_now(self) -> Change | None:
-        """A profiling succeeded: its drift starts again and any hold ends."""
+        """A profiling succeeded (the forecast is calibrated): its drift starts again from the
+        forecast's scales and any hold ends."""
         self.profiled = True
+        self.profiled_scale = self.forecast.scale
+        self.profiled_decode_scale = self.forecast.decode_scale
         self.drift.reset()
         return self._changed(self.health.release())
 
@@ -196,6 +244,8 @@ class Engine:
     def _changed(self, change: Change | None) -> Change | None:
         # Joining or closing may make queued requests placeable; opening may make them
         # unservable (the dispatcher then refuses them at once).
+        if change in ("opened", "held"):
+            self.left_placement()
         if change in ("joined", "opened", "closed", "held", "released"):
             self.pool_changed()
         if change == "opened":
@@ -359,6 +409,8 @@ class EnginePool:
         self._changed = trio.Event()
         for engine in self.engines:
             engine.pool_changed = self.notify
+            engine.others_eligible = self._others_eligible
+            engine.left_placement = self._keep_serving
 
     def __iter__(self) -> Iterator[Engine]:
         return iter(self.engines)
@@ -367,6 +419,16 @@ class EnginePool:
         """Something changed (a slot freed, an engine joined or left): wake the dispatcher."""
         self._changed.set()
         self._changed = trio.Event()
+
+    def _others_eligible(self, engine: Engine) -> bool:
+        return any(other.eligible for other in self.engines if other is not engine)
+
+    def _keep_serving(self) -> None:
+        # An engine left placement: if none is eligible now, engines held only for their drift
+        # serve again (slowly is better than refusing everything) until another one is back.
+        if not any(engine.eligible for engine in self.engines):
+            for engine in self.engines:
+                engine.release_drift()
 
     async def wait_changed(self) -> None:
         """Wait for the next :meth:`notify`."""

@@ -14,8 +14,14 @@ Profiling (:mod:`narwhal.upstream.profiling`): an engine that passed its poll an
 probe is profiled before it joins; a profiling that fails keeps it out (reason
 ``profiling_failed: ...``) and is tried again at the next poll. A joined engine whose drift asks
 for it, or that a hold keeps out of placement, is re-profiled at the first poll that finds it
-holding no placed request. ``monitoring.profiling = false`` turns profiling off (the engine
-joins on the profile's constants).
+holding no placed request, unless it is the only eligible engine (its probes would hold the
+pool's last engine out of placement: it is left to its online learning). Each poll also takes
+an engine in severe drift out of placement (reason ``drift: ...``, never the last eligible
+one: :meth:`~narwhal.scheduling.engines.Engine.hold_for_drift`, which the engine also does
+itself at the request that made its drift severe); it drains, and the first poll that finds it
+idle re-profiles it, which ends the hold. ``monitoring.profiling = false`` turns
+profiling off (the engine joins on the profile's constants, and drift only penalises its
+placement: nothing would bring a held engine back).
 
 Requests report here too: :func:`open_stream` tells the engine it answered,
 :func:`record_failure` turns an attempt's failure into a health report when it says the engine
@@ -206,6 +212,10 @@ class HealthPoller:
     _profilings: int = attrs.field(default=0, init=False)
     _profiling_told: str | None = attrs.field(default=None, init=False)
 
+    def __attrs_post_init__(self) -> None:
+        # This poller re-profiles the engine: severe drift may take it out of placement.
+        self.engine.reprofiled_on_drift = self.profiling
+
     @classmethod
     def for_engine(cls, engine: Engine, config: Config) -> HealthPoller:
         """A poller set up from ``[monitoring]`` and ``[upstream]``."""
@@ -250,11 +260,14 @@ class HealthPoller:
                 return  # joins once a profiling succeeds
             now = trio.current_time()
         _log_change(engine, engine.poll_succeeded(now), warned=self._warned)
+        if not self.profiling:
+            return  # nothing would re-profile it: drift only penalises placement
+        _log_change(engine, engine.hold_for_drift())
         if (
-            self.profiling
-            and engine.wants_profile
+            engine.wants_profile
             and not engine.slots
             and engine.health.state(trio.current_time()) == "ready"
+            and (engine.others_eligible(engine) or not engine.eligible)
         ):
             await self.profile()
 
