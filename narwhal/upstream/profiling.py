@@ -71,7 +71,10 @@ PROBE_USER = "narwhal-profiling"
 _DECODE_PROMPT = 64
 _ROUNDS = 2  # probes per prompt size; the fastest counts
 _MIN_GAPS = 3
-_ID_RANGE = (100, 10_000)  # token IDs every vocabulary of interest holds
+# Token IDs every vocabulary holds, past the special tokens that lead most of them: a small
+# model's vocabulary may be only a few thousand (the real-engine tier's has 2,048), and vLLM
+# refuses an ID outside it with a 400.
+_ID_RANGE = (100, 1000)
 
 
 class ProfilingFailed(Exception):
