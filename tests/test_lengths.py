@@ -59,18 +59,33 @@ def test_remaining_bounds_split_the_conditional_distribution_in_equal_shares() -
 
 
 def test_running_requests_lengthen_what_completions_alone_suggest() -> None:
-    # Under a sudden load the short requests complete first: 100 of 10 tokens are done,
-    # while 100 others already ran 300 tokens and go on. Completions alone say "10".
+    # Under a sudden load the short requests complete first: 600 of 10 tokens are done (the
+    # prior is gone), while 600 others already ran 300 tokens and go on. Completions alone
+    # say "10".
     lengths = OutputLengths()
-    for _ in range(100):
+    for _ in range(600):
         lengths.learn("chat", None, 10)
     alone = lengths.remaining("chat", None, generated=0).bounds()
-    census = lengths.census([("chat", None, 300)] * 100)
+    census = lengths.census([("chat", None, 300)] * 600)
     counted = census.remaining("chat", None, generated=0).bounds()
     assert alone[-1] == 10
     assert counted[:4] == [10.0] * 4  # half of the mass ended at 10 tokens
     assert counted[-1] > 300  # the other half runs past 300
     assert census.remaining("chat", None, generated=300).bound(0) >= 1
+
+
+def test_until_a_whole_window_has_completed_outputs_may_be_long() -> None:
+    # The first completions are short ones; the bucket's prior, pseudo-completions spread up
+    # to its max_tokens, keeps the long tail in view and fades as real completions arrive.
+    lengths = OutputLengths()
+    for _ in range(100):
+        lengths.learn("chat", 2048, 10)
+    early = lengths.remaining("chat", 2048).bounds()
+    assert early[:6] == [10.0] * 6  # most of the mass: what was seen
+    assert early[-1] > 1000  # and the tail the prior keeps: up to max_tokens
+    for _ in range(500):
+        lengths.learn("chat", 2048, 10)
+    assert lengths.remaining("chat", 2048).bounds() == [10.0] * 9  # the prior is gone
 
 
 def test_max_tokens_caps_the_bounds() -> None:

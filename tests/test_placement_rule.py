@@ -197,3 +197,19 @@ async def test_a_request_that_leaves_the_queue_lets_go_of_the_plan(
     # Running requests keep their waiter for as long as they stream: it must not pin a plan.
     assert placed.slot is not None and placed.planned is None
     assert withdrawn.planned is None
+
+
+async def test_a_newcomer_does_not_take_the_room_a_waiting_request_is_planned_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool, fast, _slow = _pool()
+    queue = AdmissionQueue(pool, 16)
+    held = _busy(fast)
+    waiting = _waiter()
+    queue.enqueue(waiting)
+    queue.dispatch()
+    assert waiting.planned is not None and waiting.planned.engine is fast
+    held.to_decode()  # the fast engine has room: the dispatcher will place the waiting one
+    assert queue.place_now(_waiter()) is None
+    queue.dispatch()
+    assert _placed_on(waiting) == "fast"

@@ -174,8 +174,16 @@ class AdmissionQueue:
         """
         slot = self._over_context(waiter)
         if slot is None:
-            chosen = self.current_plan().choose(waiter)
-            if chosen is not None and self._has_room(chosen, waiter):
+            plan = self.current_plan()
+            chosen = plan.choose(waiter)
+            # Only when the plan has room for it now, after everyone waiting: an engine with room
+            # now may be the one a waiting request is planned for, and the dispatcher is about
+            # to place that one there.
+            if (
+                chosen is not None
+                and chosen.placement() <= plan.now
+                and self._has_room(chosen, waiter)
+            ):
                 slot = _take(chosen.engine, waiter)
                 chosen.take(waiter)  # the plan knows it: the next newcomer is planned after it
         if slot is not None:

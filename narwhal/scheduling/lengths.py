@@ -29,6 +29,10 @@ __all__ = ["SEGMENTS", "Census", "OutputLengths", "Remaining"]
 
 _WINDOW = 512
 _PRIOR_TOKENS = 256
+_PRIOR_SAMPLES = 64  # a bucket's prior: this many pseudo-completions while it has no real one
+_PRIOR_FADE = 512  # ... fewer as real completions arrive, none from this many on
+_PRIOR_SHORTEST = 16
+_PRIOR_LONGEST = 4096  # the prior's longest output when requests set no max_tokens
 SEGMENTS = 8
 """:meth:`OutputLengths.remaining` splits each distribution into this many equal shares."""
 
@@ -144,13 +148,37 @@ class Census:
         key = _bucket(route, max_tokens)
         distribution = self._distributions.get(key)
         if distribution is None:
-            distribution = _Distribution(self._lengths.completed(key), self._running.get(key, []))
+            completed = _with_prior(self._lengths.completed(key), key)
+            distribution = _Distribution(completed, self._running.get(key, []))
             self._distributions[key] = distribution
         cap = math.inf if max_tokens is None else float(max_tokens)
         if not distribution.lengths:
             prior = min(float(max(_PRIOR_TOKENS, generated + 1)), max(cap, generated + 1.0))
             return Remaining(distribution, generated, cap, prior - generated)
         return Remaining(distribution, generated, cap)
+
+
+def _with_prior(completed: Sequence[int], key: tuple[str, int]) -> Sequence[int]:
+    """A bucket's completed lengths, with its prior's pseudo-completions while it has few.
+
+    The first requests to complete are the short ones: under a sudden load, a bucket that
+    has seen only those would expect every running request to end soon, and the seats they
+    hold to free long before they do. Until it has seen ``_PRIOR_FADE`` completions, the
+    bucket also holds pseudo-completions spread log-uniformly from 16 tokens to the bucket's
+    largest ``max_tokens`` (4,096 without one): outputs may be long until shown otherwise.
+    Their number falls from 64 to none as real completions arrive, over a whole window.
+    """
+    count = round(_PRIOR_SAMPLES * (1.0 - len(completed) / _PRIOR_FADE))
+    if count <= 0:
+        return completed
+    _, bits = key
+    longest = (1 << bits) - 1 if bits else _PRIOR_LONGEST
+    if longest <= _PRIOR_SHORTEST:
+        prior = [max(1, longest)] * count
+    else:
+        ratio = longest / _PRIOR_SHORTEST
+        prior = [round(_PRIOR_SHORTEST * ratio ** ((i + 0.5) / count)) for i in range(count)]
+    return sorted([*completed, *prior])
 
 
 class _Distribution:
