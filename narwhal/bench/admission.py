@@ -400,6 +400,7 @@ def _figures(
         books=result.books,
         wall_s=result.wall_s,
         virtual_s=result.virtual_s,
+        samples=result.samples,
     )
 
 

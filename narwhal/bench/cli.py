@@ -111,7 +111,50 @@ def _parser() -> argparse.ArgumentParser:
     )
     _projection_arguments(projection)
     projection.set_defaults(run=_run_projection)
+    report = commands.add_parser(
+        "report",
+        help="an admission run's JSON as one self-contained HTML page with PNG plots",
+        description=(
+            "Read the JSON of `narwhal bench admission --output FILE` (several files: one "
+            "section each, e.g. seeds 0 and 1 or different traces) and write one HTML file, "
+            "its plots embedded: goodput in engine work against load with the bound and every "
+            "mode, the in-budget share against load, TTFT CDFs, the prediction error over "
+            "time, the safety factor and engine drift over time, the verdicts and the "
+            "settings. A plot whose series the run did not record says so. Needs matplotlib "
+            "(the bench extra)."
+        ),
+    )
+    report.add_argument("inputs", nargs="+", type=Path, metavar="RUN.json")
+    report.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="FILE",
+        help="the HTML file (default: the first RUN.json with the suffix .html)",
+    )
+    report.set_defaults(run=_run_report)
     return parser
+
+
+def _run_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from narwhal.bench.html_report import ReportError, write_report
+
+    output: Path = args.output or args.inputs[0].with_suffix(".html")
+    if output.resolve() in {path.resolve() for path in args.inputs}:
+        print(f"narwhal bench report: {output} is an input", file=sys.stderr)
+        return 2
+    try:
+        size = write_report(args.inputs, output)
+    except ReportError as exc:
+        print(f"narwhal bench report: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(
+            f"narwhal bench report: cannot write {output}: {exc.strerror or exc}", file=sys.stderr
+        )
+        return 2
+    print(f"HTML report written to {output} ({size / 1e3:.0f} kB)")
+    return 0
 
 
 def _overhead_arguments(parser: argparse.ArgumentParser) -> None:

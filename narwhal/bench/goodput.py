@@ -75,6 +75,7 @@ __all__ = [
     "outcome_label",
     "overall_verdict",
     "replay_figures",
+    "request_series",
     "safe_ratio",
     "work_in_window",
 ]
@@ -525,6 +526,8 @@ class ReplayFigures:
         placement_pairs: ``(predicted, observed)`` placement TTFTs, to pool runs' errors (not
             in the JSON).
         projection_pairs: ``(projected, observed)`` TTFTs at arrival, likewise.
+        series: what ``narwhal bench report`` plots (:func:`request_series`, and the router's
+            samples over time under ``router``, when the replay took them); in the JSON.
     """
 
     load: float
@@ -554,6 +557,7 @@ class ReplayFigures:
     projection_pairs: tuple[tuple[float, float], ...] = ()
     unattainable: int = 0
     capacity_noise: float = 0.0
+    series: Mapping[str, Any] = attrs.field(factory=dict)
 
     @property
     def admitted_fraction(self) -> float | None:
@@ -616,7 +620,42 @@ class ReplayFigures:
             else self.false_refusals.as_json(),
             "wall_s": self.wall_s,
             "virtual_s": self.virtual_s,
+            "series": dict(self.series),
         }
+
+
+def request_series(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """Per-request series of one replay, compact, for the plots of ``narwhal bench report``.
+
+    ``ttft_s``: the admitted requests' TTFTs, sorted, to the millisecond (their CDF).
+    ``prediction`` (only where some projection at arrival was recorded: predictive and shadow
+    mode): for each admitted request with a measured TTFT, in arrival order, its arrival (to
+    10 ms) and the signed relative error (``(predicted - observed) / observed``, to 0.1 %) of
+    the projection at arrival and of the prediction at placement (``None`` where missing).
+    """
+    admitted = [outcome for outcome in outcomes if outcome.admitted]
+    series: dict[str, Any] = {
+        "ttft_s": sorted(round(o.ttft_s, 3) for o in admitted if o.ttft_s is not None)
+    }
+    scored = sorted(
+        (
+            (o.arrival_s, o.projected_ttft_s, o.placement_ttft_s, o.router_ttft_s)
+            for o in admitted
+            if o.router_ttft_s is not None and o.router_ttft_s > 0
+        ),
+        key=lambda row: row[0],
+    )
+    if any(projected is not None for _, projected, _, _ in scored):
+
+        def error(predicted: float | None, observed: float) -> float | None:
+            return None if predicted is None else round((predicted - observed) / observed, 3)
+
+        series["prediction"] = {
+            "arrival_s": [round(arrival, 2) for arrival, _, _, _ in scored],
+            "arrival_error": [error(projected, seen) for _, projected, _, seen in scored],
+            "placement_error": [error(placed, seen) for _, _, placed, seen in scored],
+        }
+    return series
 
 
 def replay_figures(
@@ -632,11 +671,13 @@ def replay_figures(
     books: Mapping[str, int] | None = None,
     wall_s: float = 0.0,
     virtual_s: float = 0.0,
+    samples: Mapping[str, Any] | None = None,
 ) -> ReplayFigures:
     """The figures of one replay (see the module doc for the definitions).
 
     ``work`` weighs each request in engine work (:class:`Work`: the engines' true cost; a bare
-    cost model is a pool of identical engines of that model).
+    cost model is a pool of identical engines of that model). ``samples``: the router's state
+    sampled over the replay, kept in :attr:`ReplayFigures.series` under ``router``.
     """
     work = _as_work(work)
     window = Window.of(outcomes, warmup_fraction)
@@ -695,6 +736,7 @@ def replay_figures(
         projection_pairs=projection,
         unattainable=len(arriving) - len(attainable),
         capacity_noise=capacity.noise,
+        series={**request_series(outcomes), **({"router": dict(samples)} if samples else {})},
     )
 
 

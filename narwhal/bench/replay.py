@@ -627,6 +627,8 @@ class ReplayResult:
         forced_ttft_s: the forced request's TTFT (``None``: none within its budget).
         forced_would_refuse: the forced request's projection was over budget again.
         deterministic: the scheduler was seeded.
+        samples: the router's state once per virtual second (:class:`_Sampler`); ``None`` for
+            a forced-in rerun.
     """
 
     outcomes: tuple[Outcome, ...]
@@ -636,6 +638,51 @@ class ReplayResult:
     forced_ttft_s: float | None = None
     forced_would_refuse: bool | None = None
     deterministic: bool = True
+    samples: dict[str, Any] | None = None
+
+
+_SAMPLE_EVERY_S = 1.0
+
+
+class _Sampler:
+    """The router's state over a replay, for ``narwhal bench report``: every virtual second, the
+    safety factor (``router.margin.factor``) and each engine's drift ratios; its drift states
+    as the times they changed.
+
+    It runs in every replay, forced-in reruns included: its wake-ups are scheduler batches, and
+    a rerun must draw the same seeded tie-breaks as the run it reruns.
+    """
+
+    def __init__(self, fleet: InProcessFleet, origin: float) -> None:
+        self._router = fleet.router
+        self._origin = origin
+        self._t: list[float] = []
+        self._factor: list[float] = []
+        self._engines: dict[str, dict[str, list[Any]]] = {
+            engine.config.name: {"ttft": [], "tpot": [], "states": []}
+            for engine in self._router.pool
+        }
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await trio.sleep(_SAMPLE_EVERY_S)
+
+    def sample(self) -> None:
+        now = round(trio.current_time() - self._origin, 2)
+        self._t.append(now)
+        self._factor.append(round(self._router.margin.factor, 3))
+        for engine in self._router.pool:
+            drift = engine.drift.statistics()
+            series = self._engines[engine.config.name]
+            series["ttft"].append(round(drift.ttft, 3))
+            series["tpot"].append(round(drift.tpot, 3))
+            states = series["states"]
+            if not states or states[-1][1] != drift.state:
+                states.append([now, drift.state])
+
+    def as_json(self) -> dict[str, Any]:
+        return {"t_s": self._t, "safety_factor": self._factor, "engines": self._engines}
 
 
 def run_replay(job: ReplayJob) -> ReplayResult:
@@ -677,14 +724,19 @@ async def _replay(job: ReplayJob) -> ReplayResult:
             stop_at = float("inf")
             if forced_row is not None:
                 stop_at = origin + forced_row.arrival_s + job.budget_s
-            with trio.move_on_at(stop_at) as stop:
-                forced_probe.stop = stop
-                async with trio.open_nursery() as nursery:
-                    for row in rows:
-                        await trio.sleep_until(origin + row.arrival_s)
-                        body = chat_body(config.serving.model, row, max_tokens=setup.max_tokens)
-                        probe = forced_probe if row is forced_row else None
-                        nursery.start_soon(_send, fleet, row, body, origin, outcomes, probe)
+            sampler = _Sampler(fleet, origin)
+            async with trio.open_nursery() as sampling:
+                sampling.start_soon(sampler.run)
+                with trio.move_on_at(stop_at) as stop:
+                    forced_probe.stop = stop
+                    async with trio.open_nursery() as nursery:
+                        for row in rows:
+                            await trio.sleep_until(origin + row.arrival_s)
+                            body = chat_body(config.serving.model, row, max_tokens=setup.max_tokens)
+                            probe = forced_probe if row is forced_row else None
+                            nursery.start_soon(_send, fleet, row, body, origin, outcomes, probe)
+                sampler.sample()  # the state at the end
+                sampling.cancel_scope.cancel()
             virtual_s = trio.current_time() - origin
             books = fleet.router.statistics().accounting.as_json()
             if caps:
@@ -710,6 +762,7 @@ async def _replay(job: ReplayJob) -> ReplayResult:
         virtual_s=virtual_s,
         forced_ttft_s=forced_ttft,
         forced_would_refuse=would_refuse,
+        samples=sampler.as_json() if forced_row is None else None,
     )
 
 
