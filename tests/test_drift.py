@@ -101,8 +101,11 @@ def pool_of(count: int) -> list[Engine]:
 
 
 def severe(engine: Engine) -> None:
+    # The forecast has learned the engine 4x slower than its profiling, and it runs slower
+    # still: 0.5 s where 0.4 s was predicted, 0.1 s at the profiling's speed.
+    engine.forecast.scale = 4 * engine.profiled_scale
     for _ in range(20):
-        engine.observe_ttft(0.5, 0.1)
+        engine.observe_ttft(0.5, 0.4)
 
 
 def test_severe_drift_holds_the_engine_unless_it_is_the_last_eligible_one() -> None:
@@ -130,4 +133,13 @@ def test_without_re_profiling_severe_drift_only_penalises() -> None:
     drifting, _ = pool_of(2)
     drifting.reprofiled_on_drift = False
     severe(drifting)
+    assert drifting.drift.state == "severe" and drifting.eligible
+    assert drifting.placement_penalty == pytest.approx(drifting.drift.ttft.residual)
+
+
+def test_severe_drift_the_forecast_does_not_share_only_penalises() -> None:
+    drifting, _ = pool_of(2)
+    for _ in range(20):  # 5x the predictions, at the profiling's speed: the forecast's error
+        drifting.observe_ttft(0.5, 0.1)
+    assert drifting.drift.state == "severe" and drifting.learned_slowdown == 1.0
     assert drifting.eligible and drifting.placement_penalty > 3

@@ -27,7 +27,8 @@ weighing 0.2. A few milliseconds are added to both sides of every ratio
 * ``severe``: a ratio beyond 3 for :attr:`Drift.sustain` requests in a row: penalised, and
   taken out of placement (reason ``drift: ...``,
   :meth:`~narwhal.scheduling.engines.Engine.hold_for_drift`) unless it is its pool's last
-  eligible engine; held, it drains, and its re-profiling when idle ends the hold.
+  eligible engine or the forecast has not learned it slower itself; held, it drains, and its
+  re-profiling when idle ends the hold.
 
 An engine faster than its forecast (a ratio below ``1 / 1.5``) is reported ``fast``: it is not
 penalised, and it is re-profiled when idle so that its speed is used.

@@ -160,11 +160,28 @@ class Engine:
         held = self.health.held
         return held is not None and held.startswith("drift")
 
+    @property
+    def learned_slowdown(self) -> float:
+        """How much slower than its last profiling the forecast has learned the engine to be:
+        the larger of the prefill and the decode scale over the profiling's (1.0: as measured)."""
+        return max(
+            self.forecast.scale / self.profiled_scale,
+            self.forecast.decode_scale / self.profiled_decode_scale,
+        )
+
     def hold_for_drift(self) -> Change | None:
         """Take the engine out of placement while its drift is severe, until it is re-profiled
-        (:meth:`profiled_now`); never the last eligible engine of its pool (a slow engine
-        serving is better than none). ``held`` when it did."""
+        (:meth:`profiled_now`); ``held`` when it did.
+
+        Never the last eligible engine of its pool (a slow engine serving is better than
+        none), and only once the forecast has learned the engine itself slower than its
+        profiling by the sustained threshold (:attr:`learned_slowdown`): a severe ratio the
+        forecast's speed does not share is the forecast's error (its queueing under a load it
+        models badly), which a re-profiling would not change; the penalty answers that.
+        """
         if self.drift.state != "severe" or not self.eligible or not self.others_eligible(self):
+            return None
+        if self.learned_slowdown < self.drift.sustained_at:
             return None
         ttft, tpot = self.drift.ttft.ratio, self.drift.tpot.ratio
         return self.hold(f"drift: severe (ttft {ttft:.2f}x, tpot {tpot:.2f}x its profiling)")
