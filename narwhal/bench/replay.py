@@ -13,6 +13,9 @@ it, and, once it completes, the TTFT the router measured and the one it predicte
 The one *forced* request of a false-refusal rerun is let through whatever its projection by the
 router's ``exempt`` hook, which asks whether the request's task carries the forced probe.
 
+For ``narwhal bench report``, a sampler task (:class:`_Sampler`) reads the router's safety
+factor and each engine's drift once per virtual second during every replay.
+
 Each request's task carries its own record in a context variable, which the router's tasks for
 that request inherit (Trio copies the spawning task's context), so the observer knows whose
 decision it is told.
