@@ -29,8 +29,8 @@ __all__ = ["SEGMENTS", "Census", "OutputLengths", "Remaining"]
 
 _WINDOW = 512
 _PRIOR_TOKENS = 256
-_PRIOR_SAMPLES = 64  # a bucket's prior: this many pseudo-completions while it has no real one
-_PRIOR_FADE = 512  # ... fewer as real completions arrive, none from this many on
+_PRIOR_SAMPLES = 64  # a bucket's prior: pseudo-completions, kept past the longest output seen
+_PRIOR_LEAST = 8  # ... fewer as real completions arrive, down to this many
 _PRIOR_SHORTEST = 16
 _PRIOR_LONGEST = 4096  # the prior's longest output when requests set no max_tokens
 SEGMENTS = 8
@@ -63,9 +63,12 @@ class OutputLengths:
 
     Attributes:
         quantile: which quantile of the possible lengths to expect (conservative above 0.5).
+        prior: whether each bucket's distribution holds the prior's pseudo-completions past
+            the longest output seen (see :func:`_with_prior`).
     """
 
     quantile: float = 0.75
+    prior: bool = True
     _by_bucket: dict[tuple[str, int], _Lengths] = attrs.field(factory=dict)
 
     def learn(self, route: str, max_tokens: int | None, tokens: int) -> None:
@@ -148,8 +151,12 @@ class Census:
         key = _bucket(route, max_tokens)
         distribution = self._distributions.get(key)
         if distribution is None:
-            completed = _with_prior(self._lengths.completed(key), key)
-            distribution = _Distribution(completed, self._running.get(key, []))
+            completed = self._lengths.completed(key)
+            running = self._running.get(key, [])
+            horizon = max(completed[-1] if completed else 0, max(running, default=0))
+            if self._lengths.prior:
+                completed = _with_prior(completed, key, horizon)
+            distribution = _Distribution(completed, running)
             self._distributions[key] = distribution
         cap = math.inf if max_tokens is None else float(max_tokens)
         if not distribution.lengths:
@@ -158,27 +165,32 @@ class Census:
         return Remaining(distribution, generated, cap)
 
 
-def _with_prior(completed: Sequence[int], key: tuple[str, int]) -> Sequence[int]:
-    """A bucket's completed lengths, with its prior's pseudo-completions while it has few.
+def _with_prior(completed: Sequence[int], key: tuple[str, int], horizon: int) -> Sequence[int]:
+    """A bucket's completed lengths, with its prior's pseudo-completions beyond what is known.
 
-    The first requests to complete are the short ones: under a sudden load, a bucket that
-    has seen only those would expect every running request to end soon, and the seats they
-    hold to free long before they do. Until it has seen ``_PRIOR_FADE`` completions, the
-    bucket also holds pseudo-completions spread log-uniformly from 16 tokens to the bucket's
-    largest ``max_tokens`` (4,096 without one): outputs may be long until shown otherwise.
-    Their number falls from 64 to none as real completions arrive, over a whole window.
+    The first requests to complete are the short ones, and a request still running has only
+    shown that it runs longer than what it has generated: no data says how far past the
+    longest output seen so far (``horizon``, completed or generated) outputs go. Without a
+    prior, every running request near that horizon would be expected to end at once, and
+    the seats they hold to free long before they do. So the bucket also holds the
+    pseudo-completions of a prior, spread log-uniformly from 16 tokens to the bucket's
+    largest ``max_tokens`` (4,096 without one), but only those past the horizon: outputs may
+    be long until shown otherwise, and a pseudo-completion drops out once a real output has
+    run past it. There are 64 of them in an empty bucket, fewer as real completions arrive,
+    and 8 from a whole window of them on: a long tail stays possible, with a small weight.
     """
-    count = round(_PRIOR_SAMPLES * (1.0 - len(completed) / _PRIOR_FADE))
-    if count <= 0:
-        return completed
     _, bits = key
     longest = (1 << bits) - 1 if bits else _PRIOR_LONGEST
-    if longest <= _PRIOR_SHORTEST:
-        prior = [max(1, longest)] * count
-    else:
-        ratio = longest / _PRIOR_SHORTEST
-        prior = [round(_PRIOR_SHORTEST * ratio ** ((i + 0.5) / count)) for i in range(count)]
-    return sorted([*completed, *prior])
+    if longest <= max(horizon, _PRIOR_SHORTEST):
+        return completed
+    count = max(_PRIOR_LEAST, round(_PRIOR_SAMPLES * (1.0 - len(completed) / _WINDOW)))
+    ratio = longest / _PRIOR_SHORTEST
+    prior = [
+        length
+        for i in range(count)
+        if (length := round(_PRIOR_SHORTEST * ratio ** ((i + 0.5) / count))) > horizon
+    ]
+    return sorted([*completed, *prior]) if prior else completed
 
 
 class _Distribution:
