@@ -49,13 +49,17 @@ def test_a_faster_engine_is_fast_and_not_penalised() -> None:
     assert drift.penalty == 1.0 and drift.wants_profile
 
 
-def test_tpot_drift_counts_too_and_the_snapshot_shows_both() -> None:
+def test_tpot_drift_is_shown_but_does_not_act() -> None:
+    # A full batch's time per token against a one-sequence decode probe measures the
+    # profile's batch slope, not the engine's drift: it is shown, and neither penalises nor
+    # holds the engine.
     drift = Drift()
     for _ in range(20):
-        drift.observe_tpot(0.02, 0.01 - FLOOR_S / 3)
+        drift.observe_tpot(0.04, 0.01 - FLOOR_S / 3)
+        drift.observe_ttft(0.1, 0.1)
     stats = drift.statistics()
-    assert stats.state == "sustained"
-    assert stats.as_json() == {"ttft": 1.0, "tpot": round(stats.tpot, 3), "state": "sustained"}
+    assert stats.tpot > 3 and stats.state == "ok" and drift.penalty == 1.0
+    assert stats.as_json() == {"ttft": 1.0, "tpot": round(stats.tpot, 3), "state": "ok"}
 
 
 def test_tiny_predictions_are_not_drift() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -213,3 +214,31 @@ async def test_a_newcomer_does_not_take_the_room_a_waiting_request_is_planned_fo
     assert queue.place_now(_waiter()) is None
     queue.dispatch()
     assert _placed_on(waiting) == "fast"
+
+
+async def test_an_engine_given_more_than_its_batch_holds_teaches_nothing_of_its_speed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Three requests on an engine whose batch holds two: it queues one itself, and the times it
+    # is seen to take are that queue's, which the forecast does not model.
+    small = attrs.evolve(H100, max_num_seqs=2)
+    engine = Engine(
+        EngineConfig(name="small", url="http://127.0.0.1:1"),
+        client=cast(Any, None),
+        prefill_limit=4,
+        decode_limit=8,
+        forecast=PrefillForecast(small, prefill_limit=4),
+    )
+    engine.poll_succeeded(0.0)
+    slots = [Slot.take(engine, 100, max_tokens=64) for _ in range(3)]
+    assert engine.overcommitted
+    await trio.sleep(10.0)  # ten times any predicted first token
+    for slot in slots:
+        slot.to_decode()
+        slot.observe_gap(1.0, 1)  # a second per token: far slower than predicted
+    assert engine.forecast.decode_scale == 1.0
+    assert engine.drift.ttft.samples == 0
+    slots[0].release()
+    assert not engine.overcommitted
+    slots[1].observe_gap(1.0, 1)  # two left: the batch holds them, the gap teaches
+    assert engine.forecast.decode_scale > 1.0

@@ -19,18 +19,23 @@ Each is an exponentially weighted moving average of the per-request ratio, each 
 weighing 0.2. A few milliseconds are added to both sides of every ratio
 (:data:`FLOOR_S`) so that the jitter of tiny predictions is not read as drift. The state:
 
-* ``warming``: fewer than :attr:`Drift.warm_up` requests of either phase since the last reset;
-* ``ok``: both ratios inside ``1 / 1.5 .. 1.5``;
-* ``sustained``: a ratio beyond 1.5 for :attr:`Drift.sustain` requests in a row. The engine's
-  placement is penalised (:attr:`Drift.penalty`, the worse residual) and it is re-profiled when
-  it next holds no request;
-* ``severe``: a ratio beyond 3 for :attr:`Drift.sustain` requests in a row: penalised, and
+The state is the TTFT ratio's. The TPOT ratio is measured and shown, but does not act: the
+decode probe times one sequence, so a full batch's time per output token against it measures
+how the profile's decode step grows with the batch (an engine whose true slope is steeper reads
+3x for ever, and re-profiling would not change it), not how the engine drifts.
+
+* ``warming``: fewer than :attr:`Drift.warm_up` requests since the last reset;
+* ``ok``: the TTFT ratio inside ``1 / 1.5 .. 1.5``;
+* ``sustained``: the TTFT ratio beyond 1.5 for :attr:`Drift.sustain` requests in a row. The
+  engine's placement is penalised (:attr:`Drift.penalty`, the TTFT residual) and it is
+  re-profiled when it next holds no request;
+* ``severe``: beyond 3 for :attr:`Drift.sustain` requests in a row: penalised, and
   taken out of placement (reason ``drift: ...``,
   :meth:`~narwhal.scheduling.engines.Engine.hold_for_drift`) unless it is its pool's last
   eligible engine or the forecast has not learned it slower itself; held, it drains, and its
   re-profiling when idle ends the hold.
 
-An engine faster than its forecast (a ratio below ``1 / 1.5``) is reported ``fast``: it is not
+An engine faster than its forecast (a TTFT ratio below ``1 / 1.5``) is reported ``fast``: it is not
 penalised, and it is re-profiled when idle so that its speed is used.
 """
 
@@ -163,7 +168,11 @@ class Drift:
     @property
     def state(self) -> DriftState:
         """The drift state now (see the module doc)."""
-        phases = [p for p in (self.ttft, self.tpot) if p.samples >= self.warm_up]
+        # Only the time to first token decides: the decode probe times one sequence, so the
+        # time per output token of a full batch against it measures how the profile's decode
+        # step grows with the batch, not how the engine drifts (it reads 3x on an engine whose
+        # true batch slope is steeper than its profile's, for ever). TPOT drift is shown.
+        phases = [p for p in (self.ttft,) if p.samples >= self.warm_up]
         if not phases:
             return "warming"
         if any(p.far_above >= self.sustain for p in phases):
@@ -182,11 +191,11 @@ class Drift:
     @property
     def penalty(self) -> float:
         """What placement multiplies the engine's predicted wait by: 1.0 unless drift is
-        sustained or severe, then the worse of the two residuals (at least 1): what the
-        forecast has not learned yet."""
+        sustained or severe, then the TTFT residual (at least 1): what the forecast has not
+        learned yet."""
         if self.state not in ("sustained", "severe"):
             return 1.0
-        return max(1.0, self.ttft.residual, self.tpot.residual)
+        return max(1.0, self.ttft.residual)
 
     def reset(self) -> None:
         """Start again (the engine was just profiled: its forecast is new)."""

@@ -131,6 +131,16 @@ class Engine:
         """Whether the health poller should (re-)profile the engine when it is idle."""
         return not self.profiled or self.drift.wants_profile
 
+    @property
+    def overcommitted(self) -> bool:
+        """Whether more requests are placed here than the engine's batch holds
+        (``max_num_seqs`` of its profile): the engine then queues some of them itself, and the
+        times it is seen to take reflect that queue, which the forecast does not model. They
+        teach neither the decode speed nor drift (an engine saturated by a router whose limits
+        exceed its batch would otherwise look slower than it is, and be taken out of
+        placement for it)."""
+        return len(self.slots) > self.forecast.profile.max_num_seqs
+
     def observe_ttft(self, observed_s: float, predicted_s: float) -> None:
         """A first token, ``observed_s`` after placement where ``predicted_s`` was predicted.
 
@@ -337,7 +347,10 @@ class Slot:
     def observe_gap(self, gap_s: float, tokens: int) -> None:
         """Time between two output events of this request, which carried ``tokens`` tokens."""
         tokens = max(1, tokens)
-        forecast = self.engine.forecast
+        engine = self.engine
+        if engine.overcommitted:
+            return
+        forecast = engine.forecast
         # Drift counts each request once, at its end: its gaps against their predictions.
         self.gaps_observed_s += gap_s
         self.gaps_predicted_s += forecast.tpot_s() * tokens
@@ -369,7 +382,8 @@ class Slot:
         self.context_tokens = self.prompt_tokens
         now = trio.current_time()
         if observed:
-            engine.observe_ttft(now - self.placed_at, self.predicted_ttft_s)
+            if not engine.overcommitted:
+                engine.observe_ttft(now - self.placed_at, self.predicted_ttft_s)
             engine.forecast.saw_step(now)
             engine.forecast.first_token(
                 self.key,
