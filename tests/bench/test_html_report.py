@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from narwhal.bench.admission import AdmissionSettings, run_admission
-from narwhal.bench.cli import main
+from narwhal.bench.cli import admission_json, main
 from narwhal.bench.goodput import Capacity
 from narwhal.bench.html_report import NOT_RECORDED, ReportError, load_run, render_html
 from narwhal.bench.replay import VirtualSetup, default_router
@@ -86,6 +86,16 @@ def test_the_run_records_what_the_report_plots(run: dict[str, Any]) -> None:
     for engine in router["engines"].values():
         assert len(engine["ttft"]) == len(engine["tpot"]) == len(times)
         assert engine["states"][0][0] == 0.0  # the state at the start, then its changes
+
+
+def test_the_json_file_holds_each_runs_series_on_one_line(run: dict[str, Any]) -> None:
+    text = admission_json(run).decode()
+    assert orjson.loads(text) == run
+    lines = text.splitlines()
+    assert lines[:2] == ["{", '  "capacity": {']  # indented, keys sorted
+    series = [line for line in lines if line.lstrip().startswith('"series": {')]
+    assert len(series) == len(run["runs"])
+    assert all(line.rstrip(",").endswith("}") for line in series)
 
 
 def test_the_page_is_one_file_with_every_section_and_its_plots(run: dict[str, Any]) -> None:
