@@ -638,11 +638,15 @@ def _router_plot(runs: Sequence[Mapping[str, Any]]) -> str:
                         color=colour,
                         label=f"{name} {key}",
                     )
+            named: set[str] = set()  # each state is named once per engine: changes can be many
             for change in _list(engine.get("states")):
                 at, state = [*_list(change), None, None][:2]
                 when = _num(at)
                 if when is not None and isinstance(state, str) and state != "ok":
                     bottom.axvline(when, color=colour, alpha=0.5, linewidth=0.8)
+                    if state in named:
+                        continue
+                    named.add(state)
                     bottom.annotate(
                         state,
                         (when, 1.0),
@@ -665,5 +669,5 @@ def _router_plot(runs: Sequence[Mapping[str, Any]]) -> str:
         "(<code>narwhal_admission_safety_factor</code>). Bottom: each engine's running ratio "
         "of observed to predicted TTFT (solid) and TPOT (dashed); dotted at 1.5 (sustained "
         "drift) and 3 (severe); a vertical line marks a change to a drift state other than "
-        "ok.</p>"
+        "ok, named at its first.</p>"
     )
