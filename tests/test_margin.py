@@ -133,3 +133,12 @@ def test_a_long_wait_is_judged_by_long_waits_and_an_untaught_band_climbs_a_ladde
     assert margin.waits.factor(1.4, BUDGET) == pytest.approx(1.3 * 1.15)
     assert margin.waits.factor(1.8, BUDGET) == pytest.approx(1.3 * 1.15**2)
     assert margin.waits.factor(0.3, BUDGET) == 2.0
+
+
+def test_shorter_waits_errors_never_raise_a_longer_waits_caution_above_the_prior() -> None:
+    margin = SafetyMargin(waits=waits(min_samples=3))
+    for observed in (0.5, 0.6, 0.7):  # 0.2 s waits that took 2.5 to 3.5 times that
+        _waited(margin, 0.2, observed)
+    assert margin.waits.factor(0.2, BUDGET) == pytest.approx(3.5)
+    # A wait of 1 s has not been seen: the prior, not the short waits' larger error.
+    assert margin.waits.factor(1.0, BUDGET) == 2.0

@@ -105,8 +105,10 @@ class WaitFactors:
     load the short waits that finish first would vouch for the long ones too soon.
 
     A band with fewer than ``min_samples`` ratios takes the factor of the nearest band below
-    that has them, times 1.15 (a ladder: admitting slightly longer waits, with caution, is how
-    the band learns), or the prior when none has.
+    that has them, times 1.15 per band climbed (a ladder: admitting slightly longer waits, with
+    caution, is how the band learns), at most the prior, or the prior when none has: shorter
+    waits have the larger relative errors, so what they teach may lower a longer wait's
+    caution, never raise it.
     """
 
     prior: float = 2.0
@@ -133,7 +135,11 @@ class WaitFactors:
         while index >= 0:
             ratios = self.bands[index]
             if ratios.samples >= ratios.min_samples:
-                return ratios.factor * _LADDER**climbed
+                if not climbed:
+                    return ratios.factor
+                # Shorter waits have the larger relative errors: what they teach may make a
+                # longer wait's caution less than the prior, never more.
+                return min(self.prior, ratios.factor * _LADDER**climbed)
             index -= 1
             climbed += 1
         return self.prior
