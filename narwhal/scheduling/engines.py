@@ -461,10 +461,6 @@ class EnginePool:
             for engine in self.engines:
                 engine.release_drift()
 
-    async def wait_changed(self) -> None:
-        """Wait for the next :meth:`notify`."""
-        await self._changed.wait()
-
     def next_change(self) -> trio.Event:
         """The event the next :meth:`notify` sets (take it before looking, then wait on it:
         no change in between is missed)."""
