@@ -75,7 +75,7 @@ class _RouterCollector(Collector):
         )
         drift = GaugeMetricFamily(
             "narwhal_engine_drift_ratio",
-            "Running ratio of observed to predicted time per engine and phase (ttft acts, tpot is shown)",
+            "Observed over predicted time per engine and phase (ttft acts, tpot is shown)",
             labels=["engine", "phase"],
         )
         for engine in stats.engines:
