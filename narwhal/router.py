@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import httpx
@@ -21,6 +21,7 @@ from narwhal.admission.observer import Observers
 from narwhal.admission.queue import AdmissionQueue, QueueStatistics
 from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config, ConfigError
+from narwhal.control.state import ControlState, RouterState
 from narwhal.errors import Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics
 from narwhal.scheduling.forecast import PrefillForecast
@@ -32,10 +33,6 @@ from narwhal.upstream.health import HealthPoller
 from narwhal.web.metrics import Metrics
 
 __all__ = ["LiveRequest", "Router", "RouterState", "RouterStatistics"]
-
-RouterState = Literal[
-    "active", "standby", "fenced", "maintenance", "monitoring_degraded", "draining"
-]
 
 
 @attrs.define(eq=False)
@@ -151,8 +148,8 @@ class Router:
                 raise ConfigError(f"serving.tokenizer: {exc}") from exc
         self.sizer = Sizer(counter)
         self.margin = SafetyMargin()
-        self.state: RouterState = "active"
-        self.state_reason: str | None = None
+        # The conditions that decide the router's state (narwhal.control.state).
+        self.control = ControlState()
         # What admission decided and how it turned out (narwhal.admission.observer); the
         # metrics listen first.
         self.observers = Observers()
@@ -164,6 +161,16 @@ class Router:
         self._live: set[LiveRequest] = set()
         self._idle = trio.Event()
         self._idle.set()
+
+    @property
+    def state(self) -> RouterState:
+        """The router's state (:class:`~narwhal.control.state.ControlState`)."""
+        return self.control.state
+
+    @property
+    def state_reason(self) -> str | None:
+        """Why the router is not active, or ``None``."""
+        return self.control.reason
 
     def check_state(self) -> None:
         """Refuse work unless the router is active.
@@ -213,8 +220,7 @@ class Router:
 
         Requests already admitted go on until :meth:`cut_streams`.
         """
-        self.state = "draining"
-        self.state_reason = "router_draining"
+        self.control.begin_drain()
 
     def cut_streams(self) -> None:
         """End every held request now: in-band error on streams, 503 before headers.

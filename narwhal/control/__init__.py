@@ -1,0 +1,1 @@
+"""The control plane: the router's state, its lease, maintenance and its own monitoring."""
