@@ -217,7 +217,13 @@ async def test_a_router_that_is_not_active_refuses_with_its_reason(
     start_fleet: StartFleet, autojump_clock: trio.testing.MockClock, state: str
 ) -> None:
     fleet = await start_fleet()
-    fleet.router.state = state  # type: ignore[assignment]
+    control = fleet.router.control
+    if state in ("standby", "fenced"):
+        control.set_lease(state)  # type: ignore[arg-type]
+    elif state == "maintenance":
+        control.set_maintenance("router_maintenance")
+    else:
+        control.set_degraded("router_monitoring_degraded")
     response = await post(fleet)
     error = assert_refusal(response, 503, f"router_{state}")
     assert error["type"] == "service_unavailable_error"

@@ -7,6 +7,7 @@ ahead; the TTFT projection replays exactly that.
 
 from __future__ import annotations
 
+import random
 from typing import Any, cast
 
 import attrs
@@ -14,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal.admission.plan import Plan
 from narwhal.admission.predictor import project
 from narwhal.admission.queue import AdmissionQueue, Waiter
 from narwhal.config import EngineConfig
@@ -242,3 +244,30 @@ async def test_an_engine_given_more_than_its_batch_holds_teaches_nothing_of_its_
     assert not engine.overcommitted
     slots[1].observe_gap(1.0, 1)  # two left: the batch holds them, the gap teaches
     assert engine.forecast.decode_scale > 1.0
+
+
+async def test_the_walk_skips_only_engines_that_cannot_win(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Plan.choose asks an engine's forecast only when its earliest possible first token could
+    # still beat the best found: on loaded pools of unequal engines, it must choose exactly as
+    # asking every engine would.
+    rng = random.Random(7)
+    for _ in range(20):
+        engines = [_engine(f"e{n}", scale=rng.choice([0.5, 1.0, 1.0, 3.0])) for n in range(4)]
+        for engine in engines:
+            for _ in range(rng.randrange(0, 40)):
+                slot = Slot.take(engine, rng.randrange(50, 6000), max_tokens=64)
+                if rng.random() < 0.8:
+                    slot.to_decode()
+        lengths = OutputLengths()
+        waiters = [_waiter(rng.randrange(20, 8000)) for _ in range(30)]
+        plan = Plan(engines, lengths, now=trio.current_time(), tpot_target_s=0.1)
+        for waiter in waiters:
+            chosen = plan.choose(waiter)
+            every = [
+                (p.tpot_with(waiter.prompt_tokens) > 0.1, p.first_token(waiter.prompt_tokens), n)
+                for n, p in enumerate(plan.engines)
+            ]
+            assert chosen is plan.engines[min(every)[2]]
+            plan.place(waiter)

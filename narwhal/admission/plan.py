@@ -37,7 +37,6 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from narwhal.admission.context import fits
 from narwhal.scheduling.engines import Engine
 from narwhal.scheduling.lengths import SEGMENTS, Census, OutputLengths, Remaining
 
@@ -132,6 +131,7 @@ class EnginePlan:
     """One engine's seats and pipeline as the replay goes."""
 
     __slots__ = (
+        "_at",
         "_ends",
         "backlog",
         "batch",
@@ -139,17 +139,25 @@ class EnginePlan:
         "context",
         "decoding",
         "engine",
+        "forecast",
         "free",
+        "max_len",
         "now",
+        "penalty",
         "placed",
         "prefill_free",
         "slots",
+        "token_ids",
         "tpot_s",
     )
 
     def __init__(self, engine: Engine, census: _LazyCensus, now: float) -> None:
-        forecast = engine.forecast
+        self.forecast = forecast = engine.forecast
         self.engine = engine
+        # What the walk asks of the engine for every request, as it is now.
+        self.penalty = engine.placement_penalty
+        self.token_ids = engine.provides_token_ids
+        self.max_len = engine.max_model_len
         self.census = census
         self.now = now
         self.backlog = forecast.pipeline
@@ -177,6 +185,7 @@ class EnginePlan:
         ]
         self.prefill_free.extend([now] * max(0, engine.prefill_limit - len(self.prefill_free)))
         heapq.heapify(self.prefill_free)
+        self._at: float | None = None  # placement(), until the plan here changes
 
     @property
     def ends(self) -> _Ends:
@@ -204,12 +213,23 @@ class EnginePlan:
 
     def placement(self) -> float:
         """When the next request could be placed here: a seat and a prefill slot are free."""
-        return max(self.now, self.next_seat(), self.prefill_free[0])
+        at = self._at
+        if at is None:
+            at = self._at = max(self.now, self.next_seat(), self.prefill_free[0])
+        return at
+
+    def earliest_first_token(self, tokens: int) -> float:
+        """A lower bound of :meth:`first_token`: its prefill starts no earlier than the
+        placement and the compute ahead, and takes at least its own tokens' compute."""
+        forecast = self.forecast
+        start = max(self.placement(), self.backlog.free_at)
+        own_s = forecast.profile.prefill_chunk_ms(0, tokens) / 1000 * forecast.scale
+        return start + own_s + forecast.latency_s
 
     def tpot_with(self, tokens: int) -> float:
         """Predicted time per output token there with one more sequence of ``tokens`` (judged
         on the batch as it was when the plan was made: the replay does not grow it)."""
-        forecast = self.engine.forecast
+        forecast = self.forecast
         step_ms = forecast.profile.decode_step_ms(self.batch, self.context + tokens)
         return step_ms / 1000 * forecast.decode_scale
 
@@ -218,15 +238,16 @@ class EnginePlan:
         at = self.placement()
         if at == math.inf:
             return at
-        return self.engine.forecast.predict(tokens, at, self.backlog, self.decoding)
+        return self.forecast.predict(tokens, at, self.backlog, self.decoding)
 
     def take(self, waiter: Waiter) -> None:
         """Place ``waiter`` here, as the dispatcher will."""
+        self._at = None
         at = max(self.now, self._take_seat(), heapq.heappop(self.prefill_free))
         if at == math.inf:
             heapq.heappush(self.prefill_free, at)
             return
-        forecast = self.engine.forecast
+        forecast = self.forecast
         self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog, self.decoding)
         sequences, context = self.decoding
         self.decoding = (sequences + 1, context + waiter.prompt_tokens)  # it decodes next
@@ -290,19 +311,28 @@ class Plan:
         The earliest first token among the engines that can serve it, those inside the TPOT
         target first; a drifting engine's time counts as longer by its placement penalty.
         """
+        tokens = waiter.prompt_tokens
+        candidates: list[tuple[float, int, EnginePlan]] = []
+        for number, plan in enumerate(self.engines):
+            if waiter.need_token_ids and not plan.token_ids:
+                continue
+            if plan.max_len is not None and tokens > plan.max_len:
+                continue  # its context does not hold the prompt (admission.context.fits)
+            candidates.append((plan.earliest_first_token(tokens), number, plan))
+        # The engines in the order of their earliest possible first token: one whose bound
+        # already loses to the best found cannot win, and its forecast is not asked.
+        candidates.sort()
         best: EnginePlan | None = None
-        best_key = (True, math.inf)  # (over the TPOT target, penalised time to first token)
-        for plan in self.engines:
-            engine = plan.engine
-            if waiter.need_token_ids and not engine.provides_token_ids:
-                continue
-            if not fits(engine, waiter.prompt_tokens):
-                continue
-            slow = plan.tpot_with(waiter.prompt_tokens) > self.tpot_target_s
+        # (over the TPOT target, penalised time to first token, configuration order)
+        best_key: tuple[bool, float, int] = (True, math.inf, len(self.engines))
+        for earliest, number, plan in candidates:
+            slow = plan.tpot_with(tokens) > self.tpot_target_s
             # A drifting engine's predictions are not to be trusted as they are: its time to
             # the first token counts as longer (Engine.placement_penalty, 1 without drift).
-            wait = plan.first_token(waiter.prompt_tokens) - self.now
-            key = (slow, wait * engine.placement_penalty)
+            least = (earliest - self.now) * plan.penalty
+            if best is not None and (slow, least, number) >= best_key:
+                continue
+            key = (slow, (plan.first_token(tokens) - self.now) * plan.penalty, number)
             if best is None or key < best_key:
                 best, best_key = plan, key
         return best
@@ -326,3 +356,4 @@ class Plan:
             self.now = now
             for plan in self.engines:
                 plan.now = now
+                plan._at = None

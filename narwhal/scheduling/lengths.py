@@ -230,7 +230,16 @@ class Remaining:
     the projection rarely needs more than the first few of each running request.
     """
 
-    __slots__ = ("_cap", "_distribution", "_fixed", "_generated", "_mean", "_start", "_survival")
+    __slots__ = (
+        "_bounds",
+        "_cap",
+        "_distribution",
+        "_fixed",
+        "_generated",
+        "_mean",
+        "_start",
+        "_survival",
+    )
 
     def __init__(
         self,
@@ -246,9 +255,18 @@ class Remaining:
         self._start = start = bisect.bisect_right(distribution.lengths, generated)
         self._survival = -distribution.drops[start - 1] if start else 1.0
         self._mean: float | None = None
+        # The bounds asked for so far: a census hands one object to every running request
+        # that stands at the same count, and the plan's sweep asks each of them in turn.
+        self._bounds: list[float | None] = [None] * (SEGMENTS + 1)
 
     def bound(self, share: int) -> float:
         """Remaining tokens at the quantile ``share / SEGMENTS`` (at least one)."""
+        known = self._bounds[share]
+        if known is None:
+            known = self._bounds[share] = self._bound(share)
+        return known
+
+    def _bound(self, share: int) -> float:
         if self._fixed is not None:
             return self._fixed
         distribution = self._distribution
