@@ -32,6 +32,7 @@ from narwhal.scheduling.health import (
 __all__ = [
     "Engine",
     "EngineConnection",
+    "EngineMetrics",
     "EnginePool",
     "EngineStatistics",
     "Slot",
@@ -50,6 +51,29 @@ class EngineConnection(Protocol):
 
     async def aclose(self) -> None:
         """Close every pooled connection."""
+
+
+@attrs.frozen
+class EngineMetrics:
+    """An engine's queue gauges as its last good ``/metrics`` poll read them
+    (:mod:`narwhal.upstream.engine_metrics`); a gauge the engine does not publish is ``None``."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+
+    @property
+    def empty(self) -> bool:
+        """Whether none of the gauges was there (the engine does not publish them)."""
+        return self.running is None and self.waiting is None and self.kv_cache_usage is None
+
+    def as_json(self) -> dict[str, float | None]:
+        """The readings by name."""
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_cache_usage": self.kv_cache_usage,
+        }
 
 
 @attrs.frozen
@@ -74,6 +98,12 @@ class EngineStatistics:
     health: HealthStatistics
     profiled: bool = False
     drift: DriftStatistics = attrs.field(factory=lambda: Drift().statistics())
+    # How old the last good health and metrics polls are (seconds; ``None``: none yet), the
+    # metrics they read, and whether metrics polls are expected of this engine at all.
+    health_age_s: float | None = None
+    metrics_age_s: float | None = None
+    metrics: EngineMetrics | None = None
+    metrics_expected: bool = False
 
 
 @attrs.define(eq=False)
@@ -115,10 +145,18 @@ class Engine:
     # until then): drift is measured against them, not against what was learned since.
     profiled_scale: float = attrs.field(init=False)
     profiled_decode_scale: float = attrs.field(init=False)
+    # The engine's queue gauges from its /metrics (narwhal.upstream.health polls them): the
+    # last good poll's readings and time. ``metrics_expected`` turns false where the dialect
+    # has no such gauges (openai) or the engine showed it publishes none (a 404, no gauge);
+    # the watchdog (narwhal.control.watchdog) then does not wait for them.
+    metrics: EngineMetrics | None = None
+    metrics_at: float | None = None
+    metrics_expected: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.profiled_scale = self.forecast.scale
         self.profiled_decode_scale = self.forecast.decode_scale
+        self.metrics_expected = self.config.dialect != "openai"
 
     @property
     def placement_penalty(self) -> float:
@@ -280,9 +318,19 @@ class Engine:
                 attempt.cancel()
         return change
 
+    def metrics_polled(self, now: float, metrics: EngineMetrics) -> None:
+        """A metrics poll read ``metrics`` at ``now`` (none of the gauges: the engine publishes
+        none, and is no longer expected to)."""
+        if metrics.empty:
+            self.metrics_expected = False
+            return
+        self.metrics, self.metrics_at = metrics, now
+
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot."""
-        health = self.health.statistics(trio.current_time())
+        now = trio.current_time()
+        health = self.health.statistics(now)
+        good = health.last_good_poll_at
         return EngineStatistics(
             name=self.name,
             url=self.config.url,
@@ -302,6 +350,10 @@ class Engine:
             health=health,
             profiled=self.profiled,
             drift=self.drift.statistics(),
+            health_age_s=None if good is None else now - good,
+            metrics_age_s=None if self.metrics_at is None else now - self.metrics_at,
+            metrics=self.metrics,
+            metrics_expected=self.metrics_expected,
         )
 
 

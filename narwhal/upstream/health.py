@@ -6,9 +6,16 @@ never the upstream read timeout, and reports the result to the engine's
 :class:`~narwhal.scheduling.health.EngineHealth`; an engine that has not joined yet is also
 given the token-ID probe. Every good poll keeps the engine's own object for the served model
 (its ``/v1/models`` entry) as :attr:`~narwhal.scheduling.engines.Engine.model_card`, which the
-router's ``/v1/models`` serves. Polls run every ``monitoring.poll_interval_s``; while an engine's
-circuit is open they wait for the end of its cool-down, and the first poll after it is the
-half-open probe.
+router's ``/v1/models`` serves. A good poll of an engine whose dialect publishes queue gauges
+(``vllm``, ``sglang``) also reads its ``/metrics`` under its own ``monitoring.poll_timeout_s``
+(:mod:`narwhal.upstream.engine_metrics`): the readings and their time go to the engine
+(:meth:`~narwhal.scheduling.engines.Engine.metrics_polled`), which the watchdog
+(:mod:`narwhal.control.watchdog`) reads for freshness. A failed metrics poll (no answer, an
+error status, unreadable text, a body over :data:`METRICS_LIMIT_BYTES`) says nothing of the
+engine's health: it only lets the readings age. A 404, or text without any of the gauges, says
+the engine publishes none: it is not asked again. Polls run every
+``monitoring.poll_interval_s``; while an engine's circuit is open they wait for the end of its
+cool-down, and the first poll after it is the half-open probe.
 
 Profiling (:mod:`narwhal.upstream.profiling`): an engine that passed its poll and token-ID
 probe is profiled before it joins; a profiling that fails keeps it out (reason
@@ -58,9 +65,20 @@ from narwhal.upstream.client import (
     UpstreamStream,
     transport_kind,
 )
+from narwhal.upstream.engine_metrics import MetricsUnreadable, parse_engine_metrics
 from narwhal.upstream.profiling import ProfilingFailed, profile_engine
 
-__all__ = ["HealthPoller", "client_of", "open_stream", "record_failure", "transport_failure"]
+__all__ = [
+    "METRICS_LIMIT_BYTES",
+    "HealthPoller",
+    "client_of",
+    "open_stream",
+    "record_failure",
+    "transport_failure",
+]
+
+METRICS_LIMIT_BYTES = 4 * 1024 * 1024
+"""The most of a ``/metrics`` body read (vLLM's is some 60 kB): more is a failed poll."""
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +229,7 @@ class HealthPoller:
     _told: str | None = attrs.field(default=None, init=False)
     _profilings: int = attrs.field(default=0, init=False)
     _profiling_told: str | None = attrs.field(default=None, init=False)
+    _metrics_told: str | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         # This poller re-profiles the engine: severe drift may take it out of placement.
@@ -255,6 +274,8 @@ class HealthPoller:
             else:
                 _log_change(engine, change)
             return
+        if engine.metrics_expected:
+            await self.poll_metrics()
         if not engine.health.joined:
             if self.profiling and not await self.profile():
                 return  # joins once a profiling succeeds
@@ -270,6 +291,47 @@ class HealthPoller:
             and (engine.others_eligible(engine) or not engine.eligible)
         ):
             await self.profile()
+
+    async def poll_metrics(self) -> None:
+        """Read the engine's ``/metrics`` once (module doc); a failure is logged, once."""
+        with trio.move_on_after(self.timeout_s) as polling:
+            detail = await self._read_metrics()
+        if polling.cancelled_caught:
+            detail = f"no answer within {self.timeout_s:g} s"
+        if detail is not None and detail != self._metrics_told:
+            log.info("engine %s: metrics poll failed: %s", self.engine.name, detail)
+        self._metrics_told = detail
+
+    async def _read_metrics(self) -> str | None:
+        engine = self.engine
+        body = bytearray()
+        try:
+            async with client_of(engine).http.stream("GET", "/metrics") as response:
+                status = response.status_code
+                if status == 404:
+                    log.info("engine %s has no /metrics: its queue is not watched", engine.name)
+                    engine.metrics_expected = False
+                    return None
+                if status != 200:
+                    return f"/metrics answered {status}"
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > METRICS_LIMIT_BYTES:
+                        return f"/metrics answered more than {METRICS_LIMIT_BYTES} bytes"
+        except httpx.HTTPError as exc:
+            log.debug("engine %s: GET /metrics failed: %r", engine.name, exc)
+            failure = transport_failure(exc)
+            return f"/metrics: {failure.detail if failure else 'malformed HTTP answer'}"
+        try:
+            metrics = parse_engine_metrics(body.decode("utf-8"))
+        except UnicodeDecodeError:
+            return "/metrics: not UTF-8 text"
+        except MetricsUnreadable as exc:
+            return f"/metrics: {exc}"
+        if metrics.empty:
+            log.info("engine %s publishes no queue gauges: its queue is not watched", engine.name)
+        engine.metrics_polled(trio.current_time(), metrics)
+        return None
 
     async def profile(self) -> bool:
         """Profile the engine now (held out of placement meanwhile); whether it succeeded."""
