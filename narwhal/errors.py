@@ -17,6 +17,11 @@ Errors and refusals). The web layer translates them to responses in exactly one 
     │   └── EngineRejectedRequest      4xx (the engine's status and code)
     ├── RouteNotFound                  404 not_found                  (not offered)
     ├── MethodNotAllowed               405 method_not_allowed         (not offered)
+    ├── AdminError                     the admin API's refusals        (not offered)
+    │   ├── AdminUnauthorized          401 admin_unauthorized (missing or bad bearer token)
+    │   ├── AdminDisabled              403 admin_disabled (no admin.token configured)
+    │   ├── WaveNotFound               404 wave_not_found
+    │   └── CapacityGuard              409 capacity_guard (a wave would leave too little)
     ├── FrameworkHTTPError             other statuses Quart raises    (not offered)
     ├── CapacityRejection              429 http_retention_full / admission_queue_full  rejected
     ├── PredictiveRefusal              429 ttft_budget_exceeded / prompt_exceeds_ttft_budget
@@ -42,6 +47,10 @@ import math
 from typing import Any, ClassVar
 
 __all__ = [
+    "AdminDisabled",
+    "AdminError",
+    "AdminUnauthorized",
+    "CapacityGuard",
     "CapacityRejection",
     "EngineAttemptsFailed",
     "EngineBusy",
@@ -63,6 +72,7 @@ __all__ = [
     "Unavailable",
     "UnsupportedOption",
     "UpstreamFailure",
+    "WaveNotFound",
     "envelope",
 ]
 
@@ -218,6 +228,60 @@ class MethodNotAllowed(NarwhalError):
     type = "invalid_request_error"
     default_code = "method_not_allowed"
     counted_as = None
+
+
+# -- the admin API (narwhal.web.admin): operators' requests, never offered completions -------
+
+
+class AdminError(NarwhalError):
+    """Base of the admin API's refusals; they are not offered requests."""
+
+    status = 400
+    type = "invalid_request_error"
+    default_code = "invalid_request"
+    counted_as = None
+
+
+class AdminUnauthorized(AdminError):
+    """The admin request has no bearer token, or not the configured one (the message never
+    repeats what was sent)."""
+
+    status = 401
+    type = "authentication_error"
+    default_code = "admin_unauthorized"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="narwhal-admin"'})
+
+
+class AdminDisabled(AdminError):
+    """No ``admin.token`` is configured, and the caller is not a loopback one that
+    ``admin.allow_loopback_without_token`` lets in: no credential could help."""
+
+    status = 403
+    type = "permission_error"
+    default_code = "admin_disabled"
+
+
+class WaveNotFound(AdminError):
+    """No configured engine has this maintenance wave label."""
+
+    status = 404
+    default_code = "wave_not_found"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="wave")
+
+
+class CapacityGuard(AdminError):
+    """Starting the wave would leave less than ``maintenance.min_capacity_share`` of the
+    pool's capacity (``?force=true`` overrides)."""
+
+    status = 409
+    default_code = "capacity_guard"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="force")
 
 
 # -- 429, 503, 504: the router refuses or gives up ---------------------------------------------

@@ -21,6 +21,7 @@ from narwhal.admission.observer import Observers
 from narwhal.admission.queue import AdmissionQueue, QueueStatistics
 from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config, ConfigError
+from narwhal.control.maintenance import Maintenance
 from narwhal.control.state import ControlState, RouterState
 from narwhal.errors import Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics
@@ -150,6 +151,9 @@ class Router:
         self.margin = SafetyMargin()
         # The conditions that decide the router's state (narwhal.control.state).
         self.control = ControlState()
+        # Maintenance waves (narwhal.control.maintenance): the one part that sets the
+        # maintenance condition.
+        self.maintenance = Maintenance(self.pool, self.control, config.maintenance)
         # What admission decided and how it turned out (narwhal.admission.observer); the
         # metrics listen first.
         self.observers = Observers()
@@ -234,6 +238,7 @@ class Router:
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the dispatcher and one health poller per engine in ``nursery``."""
         await nursery.start(self.queue.run)
+        await nursery.start(self.maintenance.run)
 
         for engine in self.pool:
             nursery.start_soon(HealthPoller.for_engine(engine, self.config).run)

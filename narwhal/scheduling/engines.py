@@ -5,7 +5,8 @@ fed by the polls of :mod:`narwhal.upstream.health` and by the requests the excha
 engine becomes eligible once it has *joined*: it answers ``/health``, lists the served model in
 ``/v1/models`` and, where token IDs are wanted, a probe request has shown whether it really
 returns them (vLLM before 0.10.2 ignores ``return_token_ids``: such an engine is reported
-``token_accounting: unavailable`` instead of failing every request). Every change of
+``token_accounting: unavailable`` instead of failing every request). An engine in a maintenance
+wave (:mod:`narwhal.control.maintenance`) is not eligible whatever its health. Every change of
 eligibility wakes the dispatcher (:meth:`EnginePool.notify`).
 """
 
@@ -104,6 +105,11 @@ class EngineStatistics:
     metrics_age_s: float | None = None
     metrics: EngineMetrics | None = None
     metrics_expected: bool = False
+    # The maintenance wave holding the engine out of placement, and the forecast's learned
+    # latency and decode scale (``prefill_scale`` is its prefill scale).
+    maintenance: str | None = None
+    latency_s: float = 0.0
+    decode_scale: float = 1.0
 
 
 @attrs.define(eq=False)
@@ -141,6 +147,9 @@ class Engine:
     # Whether something re-profiles the engine (its health poller, with monitoring.profiling):
     # only then does severe drift take it out of placement, the re-profiling bringing it back.
     reprofiled_on_drift: bool = False
+    # The maintenance wave holding the engine out of placement (narwhal.control.maintenance),
+    # or None: running requests finish, no new one is placed.
+    maintenance: str | None = None
     # The forecast's prefill and decode scales as the last profiling fitted them (the prior's
     # until then): drift is measured against them, not against what was learned since.
     profiled_scale: float = attrs.field(init=False)
@@ -264,8 +273,23 @@ class Engine:
 
     @property
     def eligible(self) -> bool:
-        """Whether new requests may be placed here."""
-        return self.health.eligible
+        """Whether new requests may be placed here: healthy, and in no maintenance wave."""
+        return self.health.eligible and self.maintenance is None
+
+    def enter_maintenance(self, wave: str) -> None:
+        """Take the engine out of placement for maintenance wave ``wave`` (what runs here
+        finishes); wakes the dispatcher, which plans without it from now on."""
+        was = self.eligible
+        self.maintenance = wave
+        if was:
+            self.left_placement()
+        self.pool_changed()
+
+    def leave_maintenance(self) -> None:
+        """End the engine's maintenance: placeable again once healthy; wakes the dispatcher,
+        since queued requests may go here now."""
+        self.maintenance = None
+        self.pool_changed()
 
     @property
     def can_place(self) -> bool:
@@ -337,8 +361,10 @@ class Engine:
             dialect=self.config.dialect,
             wave=self.config.wave,
             state=health.state,
-            eligible=health.eligible,
-            reason=health.reason,
+            eligible=self.eligible,
+            reason=(
+                health.reason if self.maintenance is None else f"maintenance: {self.maintenance}"
+            ),
             token_accounting=self.token_accounting,
             prefill=self.prefill,
             decode=self.decode,
@@ -354,6 +380,9 @@ class Engine:
             metrics_age_s=None if self.metrics_at is None else now - self.metrics_at,
             metrics=self.metrics,
             metrics_expected=self.metrics_expected,
+            maintenance=self.maintenance,
+            latency_s=self.forecast.latency_s,
+            decode_scale=self.forecast.decode_scale,
         )
 
 

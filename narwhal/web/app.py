@@ -27,6 +27,7 @@ from narwhal.errors import (
 )
 from narwhal.protocol.requests import Route
 from narwhal.router import Router
+from narwhal.web.admin import register_admin
 from narwhal.web.client import request_id
 from narwhal.web.completions import serve_completion
 from narwhal.web.metrics import CONTENT_TYPE
@@ -138,6 +139,8 @@ def create_app(
     async def ready() -> Response:
         stats = router.statistics()
         return json_response(stats.as_json(), status=200 if stats.ready else 503)
+
+    register_admin(app, router)  # /admin/engines, /admin/maintenance (narwhal.web.admin)
 
     @app.get("/metrics")
     async def metrics() -> Response:
