@@ -6,6 +6,8 @@ embedders can build one from a :class:`~narwhal.config.Config` and a set of tran
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +23,7 @@ from narwhal.admission.observer import Observers
 from narwhal.admission.queue import AdmissionQueue, QueueStatistics
 from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config, ConfigError
+from narwhal.control.lease import Lease, open_lease
 from narwhal.control.maintenance import Maintenance
 from narwhal.control.state import ControlState, RouterState
 from narwhal.errors import Unavailable
@@ -30,7 +33,7 @@ from narwhal.scheduling.health import EngineHealth
 from narwhal.scheduling.lengths import OutputLengths
 from narwhal.scheduling.profiles import get_profile
 from narwhal.upstream.client import EngineClient
-from narwhal.upstream.health import HealthPoller
+from narwhal.upstream.health import HealthPoller, client_of
 from narwhal.web.metrics import Metrics
 
 __all__ = ["LiveRequest", "Router", "RouterState", "RouterStatistics"]
@@ -101,6 +104,11 @@ def _never() -> bool:
     return False
 
 
+def _identity(config: Config) -> str:
+    """Who this router is, in the leader key while it holds the lease."""
+    return f"{socket.gethostname()} pid {os.getpid()} ({config.serving.bind})"
+
+
 class Router:
     """Engines, books and metrics of one Narwhal process.
 
@@ -151,6 +159,11 @@ class Router:
         self.margin = SafetyMargin()
         # The conditions that decide the router's state (narwhal.control.state).
         self.control = ControlState()
+        self.queue.control = self.control  # a fenced or standby router places nothing
+        # The lease (narwhal.control.lease): the one part that sets the lease condition.
+        self.lease: Lease = open_lease(
+            config.control, self.control, identity=_identity(config), on_token=self._fence
+        )
         # Maintenance waves (narwhal.control.maintenance): the one part that sets the
         # maintenance condition.
         self.maintenance = Maintenance(self.pool, self.control, config.maintenance)
@@ -222,9 +235,11 @@ class Router:
     def begin_drain(self) -> None:
         """Stop admitting for a shutdown: ``/ready`` turns 503, new requests get 503.
 
-        Requests already admitted go on until :meth:`cut_streams`.
+        Requests already placed go on until :meth:`cut_streams`; the lease is given up at
+        once, so that the other router of an HA pair takes over.
         """
         self.control.begin_drain()
+        self.lease.release()
 
     def cut_streams(self) -> None:
         """End every held request now: in-band error on streams, 503 before headers.
@@ -236,12 +251,18 @@ class Router:
             live.scope.cancel()
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Start the dispatcher and one health poller per engine in ``nursery``."""
+        """Start the lease, the dispatcher and one health poller per engine in ``nursery``."""
+        await nursery.start(self.lease.run)
         await nursery.start(self.queue.run)
         await nursery.start(self.maintenance.run)
 
         for engine in self.pool:
             nursery.start_soon(HealthPoller.for_engine(engine, self.config).run)
+
+    def _fence(self, token: int) -> None:
+        """The lease's fencing token goes to the engines with every request from now on."""
+        for engine in self.pool:
+            client_of(engine).set_fence(token)
 
     async def aclose(self) -> None:
         """Stop the dispatcher and close every engine's connection pool."""

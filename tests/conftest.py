@@ -82,7 +82,8 @@ async def start_fleet(nursery: trio.Nursery) -> AsyncIterator[StartFleet]:
     """Start a router with simulated engines; returns once ``/ready`` would be 200.
 
     Each engine is given as ``(name, dialect)`` or an :class:`EngineConfig`; ``directives``
-    maps engine names to simulator directives applied from the start (join probes included).
+    maps engine names to simulator directives applied from the start (join probes included);
+    ``timing`` gives each engine's timing model by name (default: the router's H100 profile).
     """
     fleets: list[Fleet] = []
 
@@ -91,6 +92,7 @@ async def start_fleet(nursery: trio.Nursery) -> AsyncIterator[StartFleet]:
         *,
         directives: dict[str, dict[str, Any]] | None = None,
         wait_ready: bool = True,
+        timing: Callable[[str], Any] | None = None,
         **config: Any,
     ) -> Fleet:
         configs = tuple(
@@ -104,7 +106,11 @@ async def start_fleet(nursery: trio.Nursery) -> AsyncIterator[StartFleet]:
                 SimEngine(
                     MODEL,
                     dialect=engine.dialect,
-                    timing=StepTiming(get_profile("h100-llama3-8b")),
+                    timing=(
+                        StepTiming(get_profile("h100-llama3-8b"))
+                        if timing is None
+                        else timing(engine.name)
+                    ),
                     seed=index,
                     name=engine.name,
                 )

@@ -49,17 +49,27 @@ def test_a_faster_engine_is_fast_and_not_penalised() -> None:
     assert drift.penalty == 1.0 and drift.wants_profile
 
 
-def test_tpot_drift_is_shown_but_does_not_act() -> None:
-    # A full batch's time per token against a one-sequence decode probe measures the
-    # profile's batch slope, not the engine's drift: it is shown, and neither penalises nor
-    # holds the engine.
+def test_tpot_drift_acts_and_re_profiles_without_a_ttft_penalty() -> None:
+    # The decode probes fit the batch slope, so TPOT drift acts: severe here (3.4x), asking
+    # for a re-profiling. The placement penalty is TTFT's residual, 1.0 here.
     drift = Drift()
     for _ in range(20):
         drift.observe_tpot(0.04, 0.01 - FLOOR_S / 3)
         drift.observe_ttft(0.1, 0.1)
     stats = drift.statistics()
-    assert stats.tpot > 3 and stats.state == "ok" and drift.penalty == 1.0
-    assert stats.as_json() == {"ttft": 1.0, "tpot": round(stats.tpot, 3), "state": "ok"}
+    assert stats.tpot > 3 and stats.state == "severe" and drift.wants_profile
+    assert drift.penalty == 1.0
+    assert stats.as_json() == {"ttft": 1.0, "tpot": round(stats.tpot, 3), "state": "severe"}
+
+
+def test_tpot_alone_can_leave_warming() -> None:
+    drift = Drift()  # no TTFT sample at all
+    for _ in range(9):
+        drift.observe_tpot(0.025, 0.01)  # 2x, with the floor
+    assert drift.state == "warming"
+    for _ in range(11):
+        drift.observe_tpot(0.025, 0.01)
+    assert drift.state == "sustained" and drift.tpot.above >= drift.sustain
 
 
 def test_tiny_predictions_are_not_drift() -> None:

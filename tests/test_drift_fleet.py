@@ -13,6 +13,8 @@ import trio.testing
 
 from narwhal.config import AdmissionConfig
 from narwhal.scheduling.engines import Engine
+from narwhal.sim.calibration import ENGINE_TYPES
+from narwhal.sim.timing import StepTiming
 from tests.conftest import Fleet, StartFleet
 from tests.support import until
 
@@ -133,10 +135,10 @@ async def test_sustained_drift_re_profiles_the_engine_when_idle_and_starts_its_d
     ready = fleet.router.statistics().as_json()["engines"][0]
     assert ready["drift"] == {"ttft": 1.0, "tpot": 1.0, "state": "warming"}
     assert ready["reason"] is None
-    # Seven probes went to the engine (those it received beyond what was placed there), none
-    # through the router's books.
+    # 47 probes went to the engine (those it received beyond what was placed there: two of each
+    # prompt size, then decode batches of 1, 8 and 32), none through the router's books.
     received = sim.statistics().completion_requests - received
-    assert received - (placed(slow) - placed_before) == 7
+    assert received - (placed(slow) - placed_before) == 6 + 1 + 8 + 32
     assert fleet.router.statistics().accounting.offered == load.sent
     assert load.statuses.count(200) == len(load.statuses) == load.sent
 
@@ -194,3 +196,54 @@ async def test_severe_drift_never_takes_out_the_last_eligible_engine(
             assert slow.eligible
     # Requests in flight on the unplugged engine fail; none is refused for want of an engine.
     assert 503 not in load.statuses
+
+
+# The simulator's own H100 physics (narwhal.sim.calibration), its decode step growing 20x
+# faster with the batch than the router's profile says.
+TRUTH = ENGINE_TYPES["h100-llama3-8b"]
+STEEP = attrs.evolve(
+    TRUTH,
+    decode_per_seq_ms=TRUTH.decode_per_seq_ms * 20,
+    decode_per_kv_token_ms=TRUTH.decode_per_kv_token_ms * 20,
+)
+
+
+async def test_a_healthy_engine_steeper_than_its_profile_reads_1x_tpot_at_a_full_batch(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await start_fleet(
+        admission=AdmissionConfig(mode="open", queue_limit=1024), timing=lambda _: StepTiming(STEEP)
+    )
+    engines = list(fleet.router.pool.engines)
+    # The decode probes at 1, 8 and 32 sequences fitted the slope: the forecast's step at a
+    # full batch is the engine's, where a one-sequence fit would be 2.5x short of it.
+    batch, context = 200, 200 * 300
+    truth_s = STEEP.decode_step_ms(batch, context) / 1000
+    for engine in engines:
+        forecast = engine.forecast
+        assert forecast.decode_scale == pytest.approx(
+            STEEP.decode_base_ms / forecast.profile.decode_base_ms, rel=0.01
+        )
+        assert forecast.decode_step_s(batch, context) == pytest.approx(truth_s, rel=0.01)
+        one_sequence = forecast.profile.decode_step_ms(batch, context) / 1000
+        assert truth_s / (one_sequence * forecast.decode_scale) > 2.5
+    received = [sim.statistics().completion_requests for sim in fleet.sims.values()]
+
+    async def one() -> None:
+        response = await fleet.completion(prompt=PROMPT[:64], max_tokens=300)
+        assert response.status_code == 200, response.text
+
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            for _ in range(400):  # about 200 sequences decoding on each engine
+                nursery.start_soon(one)
+                await trio.sleep(0.001)
+    for engine, sim, before in zip(engines, fleet.sims.values(), received, strict=True):
+        stats = engine.drift.statistics()
+        assert stats.tpot == pytest.approx(1.0, abs=0.1), stats
+        assert stats.ttft == pytest.approx(1.0, abs=0.25), stats
+        assert stats.state == "ok" and engine.drift.tpot.samples >= 10, engine.drift
+        # Nothing re-profiled it: the engine received only the 400 requests between them.
+        assert engine.eligible and engine.health.held is None
+        assert placed(engine) == sim.statistics().completion_requests - before
+    assert sum(placed(e) for e in engines) == 400

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import attrs
 import httpx
 import orjson
 import pytest
@@ -12,11 +13,18 @@ import trio
 
 from narwhal.config import Config, EngineConfig, MonitoringConfig, ServingConfig
 from narwhal.router import Router
-from narwhal.scheduling.profiles import get_profile
+from narwhal.scheduling.forecast import PrefillForecast
+from narwhal.scheduling.profiles import EngineProfile, get_profile
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.timing import StepTiming
 from narwhal.sim.transport import SimTransport
-from narwhal.upstream.profiling import compute_s, fit_decode, fit_prefill, probe_sizes
+from narwhal.upstream.profiling import (
+    compute_s,
+    decode_batches,
+    fit_decode,
+    fit_prefill,
+    probe_sizes,
+)
 from tests.conftest import MODEL
 from tests.support import until
 
@@ -39,11 +47,56 @@ def test_a_negative_intercept_is_all_compute() -> None:
     assert scale == pytest.approx(1.5, rel=0.05)
 
 
-def test_the_decode_fit_is_the_median_gap_over_the_profile_step() -> None:
+def test_one_batch_size_fits_the_median_gap_over_the_profile_step() -> None:
     steps = [H100.decode_step_ms(1, 65 + k) / 1000 for k in range(7)]
     gaps = [(3.0 * step, 1) for step in steps]
     gaps[2] = (50 * steps[2], 1)  # one stall does not move the median
-    assert fit_decode(H100, 64, gaps) == pytest.approx(3.0)
+    assert fit_decode(H100, 64, {1: [gaps]}) == pytest.approx((3.0, 1.0))
+
+
+def steep(slope: float, scale: float = 1.0) -> EngineProfile:
+    """The H100 profile with its decode batch terms ``slope`` times steeper, ``scale`` slower."""
+    return attrs.evolve(
+        H100,
+        decode_base_ms=H100.decode_base_ms * scale,
+        decode_per_seq_ms=H100.decode_per_seq_ms * slope * scale,
+        decode_per_kv_token_ms=H100.decode_per_kv_token_ms * slope * scale,
+    )
+
+
+def batch_gaps(truth: EngineProfile, batch: int) -> list[list[tuple[float, int]]]:
+    """Seven gaps of each of ``batch`` sequences of 64-token prompts decoding together."""
+    steps = [truth.decode_step_ms(batch, batch * (65 + k)) / 1000 for k in range(7)]
+    return [[(step, 1) for step in steps]] * batch
+
+
+@pytest.mark.parametrize(("slope", "scale"), [(1.0, 1.0), (20.0, 1.0), (8.0, 2.0), (0.0, 0.5)])
+def test_batch_sizes_fit_the_decode_scale_and_its_slope(slope: float, scale: float) -> None:
+    truth = steep(slope, scale)
+    batches = {b: batch_gaps(truth, b) for b in (1, 8, 32)}
+    fitted_scale, fitted_slope = fit_decode(H100, 64, batches)
+    assert fitted_scale == pytest.approx(scale, rel=0.01)
+    assert fitted_slope == pytest.approx(slope, rel=0.02, abs=0.05)
+    # The forecast so calibrated predicts the truth's step at a full batch too.
+    forecast = PrefillForecast(H100)
+    forecast.calibrate(
+        scale=1.0, latency_s=0.0, decode_scale=fitted_scale, decode_slope=fitted_slope
+    )
+    full = truth.decode_step_ms(256, 256 * 1500) / 1000
+    assert forecast.decode_step_s(256, 256 * 1500) == pytest.approx(full, rel=0.02)
+
+
+def test_a_decode_fit_with_a_falling_step_keeps_the_profile_slope() -> None:
+    batches = {1: batch_gaps(H100, 1), 8: batch_gaps(steep(1.0, 0.5), 8)}  # noise: faster at 8
+    scale, slope = fit_decode(H100, 64, batches)
+    assert slope == 1.0
+    assert scale == pytest.approx(0.5, rel=0.01)  # the median over every counted gap
+
+
+def test_decode_batches_fit_the_batch() -> None:
+    assert decode_batches(H100) == (1, 8, 32)
+    assert decode_batches(attrs.evolve(H100, max_num_seqs=16)) == (1, 8, 16)
+    assert decode_batches(attrs.evolve(H100, max_num_seqs=1)) == (1,)
 
 
 def test_probe_sizes_fit_the_context_and_one_step() -> None:
@@ -145,10 +198,18 @@ async def test_an_engine_joins_once_its_profiling_is_done_at_an_exact_time(
     started = trio.current_time()  # after /health, /v1/models and the token probe
     a_at = await joined_at(router, "a")
     assert await joined_at(router, "b") == a_at  # the same probes on the same engine
-    # Seven probes on the profile: two of each prompt size, alone, then eight tokens of decode.
+    # On the profile: two probes of each prompt size, alone, then 1, 8 and 32 probes at once
+    # of eight tokens each: the batch's 64-token prompts prefill in one step, then its seven
+    # decode steps.
     prefill = sum(2 * H100.prefill_ms(n) for n in (64, 512, 2048)) / 1000
     decode = (
-        H100.prefill_ms(64) / 1000 + sum(H100.decode_step_ms(1, 65 + k) for k in range(7)) / 1000
+        sum(
+            H100.prefill_base_ms
+            + batch * H100.prefill_chunk_ms(0, 64)
+            + sum(H100.decode_step_ms(batch, batch * (65 + k)) for k in range(7))
+            for batch in (1, 8, 32)
+        )
+        / 1000
     )
     assert a_at - started == pytest.approx(prefill + decode, abs=0.002)  # seen by 1 ms polls
 

@@ -229,9 +229,7 @@ class EnginePlan:
     def tpot_with(self, tokens: int) -> float:
         """Predicted time per output token there with one more sequence of ``tokens`` (judged
         on the batch as it was when the plan was made: the replay does not grow it)."""
-        forecast = self.forecast
-        step_ms = forecast.profile.decode_step_ms(self.batch, self.context + tokens)
-        return step_ms / 1000 * forecast.decode_scale
+        return self.forecast.decode_step_s(self.batch, self.context + tokens)
 
     def first_token(self, tokens: int) -> float:
         """When a request placed here next would get its first token."""

@@ -13,6 +13,12 @@ joined or left, a slot freed, an engine joined or left) and, when a request wait
 engine, when that engine is expected to have room. When no engine is eligible at all, every
 queued request that cannot be served gets its 503 at once.
 
+A router that may not hold the lease (``fenced`` or ``standby``: ``control.placing`` is false,
+:mod:`narwhal.control.lease`) places nothing from that instant: each queued request gets its 503
+``router_fenced`` or ``router_standby`` at once (counted ``unavailable``), as a newcomer would,
+rather than wait out its admission wait for a lease that, by then, the other router holds. Its
+retry reaches the active router. Requests already placed finish.
+
 ``queue_limit`` counts the record: a request that leaves (its client went away, its wait ran
 out) stops counting at once.
 
@@ -35,6 +41,7 @@ import trio
 
 from narwhal.admission.context import beyond_context, placed_size
 from narwhal.admission.plan import EnginePlan, Plan
+from narwhal.control.state import ControlState
 from narwhal.errors import CapacityRejection, Expired, NarwhalError, Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, Slot
 from narwhal.scheduling.lengths import OutputLengths
@@ -98,10 +105,19 @@ class AdmissionQueue:
         pool: the engines to place on.
         limit: ``admission.queue_limit``.
         lengths: the learned output lengths (the plan's running requests end by them).
+        control: the router's state: nothing is placed while ``control.placing`` is false.
     """
 
-    def __init__(self, pool: EnginePool, limit: int, lengths: OutputLengths | None = None) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        limit: int,
+        lengths: OutputLengths | None = None,
+        *,
+        control: ControlState | None = None,
+    ) -> None:
         self.pool = pool
+        self.control = control
         self.limit = limit
         self.lengths = OutputLengths() if lengths is None else lengths
         self._waiting: dict[Waiter, None] = {}
@@ -172,6 +188,8 @@ class AdmissionQueue:
 
         A prompt longer than every eligible engine's context is placed at once whoever waits.
         """
+        if self._not_placing() is not None:
+            return None
         slot = self._over_context(waiter)
         if slot is None:
             plan = self.current_plan()
@@ -217,8 +235,11 @@ class AdmissionQueue:
         Raises:
             CapacityRejection: the queue is full.
             Expired: ``admission_wait_expired``.
-            Unavailable: no engine is eligible.
+            Unavailable: no engine is eligible, or the router does not hold the lease.
         """
+        refusal = self._not_placing()
+        if refusal is not None:
+            raise refusal
         slot = self.place_now(waiter)
         if slot is None:
             self.enqueue(waiter)
@@ -281,12 +302,33 @@ class AdmissionQueue:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Place queued requests by the rule, until :meth:`close` (run it in the app's nursery)."""
-        task_status.started()
-        while not self._closed:
-            changed = self.pool.next_change()
-            look_again_at = self.dispatch()
-            with trio.move_on_at(look_again_at):
-                await changed.wait()
+        async with trio.open_nursery() as nursery:
+            if self.control is not None:
+                nursery.start_soon(self._follow, self.control)
+            task_status.started()
+            while not self._closed:
+                changed = self.pool.next_change()
+                look_again_at = self.dispatch()
+                with trio.move_on_at(look_again_at):
+                    await changed.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _follow(self, control: ControlState) -> None:
+        """Look again whenever the router's state changes: placing may have stopped."""
+        while True:
+            await control.wait_changed()
+            self.pool.notify()
+
+    def _not_placing(self) -> Unavailable | None:
+        """The refusal of a router that may not place now (``fenced``, ``standby``), else
+        ``None``."""
+        control = self.control
+        if control is None or control.placing:
+            return None
+        lease = control.lease
+        return Unavailable(
+            f"This router is {lease} and places no requests; retry shortly.", code=f"router_{lease}"
+        )
 
     def dispatch(self) -> float:
         """Place every queued request whose engine, by the plan, has room now.
@@ -298,6 +340,12 @@ class AdmissionQueue:
         """
         if not self._waiting:
             return math.inf
+        refusal = self._not_placing()
+        if refusal is not None:
+            for waiter in list(self._waiting):
+                self._unavailable += 1
+                self._decide(waiter, failure=refusal)
+            return math.inf  # the change that lets it place again wakes the dispatcher
         self._refuse_unservable()
         pool = self.pool
         now = trio.current_time()

@@ -17,16 +17,19 @@ how far the forecast still is from the engine, which the placement penalty corre
 
 Each is an exponentially weighted moving average of the per-request ratio, each request
 weighing 0.2. A few milliseconds are added to both sides of every ratio
-(:data:`FLOOR_S`) so that the jitter of tiny predictions is not read as drift. The state:
+(:data:`FLOOR_S`) so that the jitter of tiny predictions is not read as drift.
 
-The state is the TTFT ratio's. The TPOT ratio is measured and shown, but does not act: the
-decode probe times one sequence, so a full batch's time per output token against it measures
-how the profile's decode step grows with the batch (an engine whose true slope is steeper reads
-3x for ever, and re-profiling would not change it), not how the engine drifts.
+Both ratios act. TPOT can, because the decode probes time batches of several sizes, so the
+profiling fits how the engine's decode step grows with the batch (an engine whose step grows
+faster than its profile's reads 1.0 at a full batch as at one sequence), and because only the
+gaps whose steps only decoded count (:meth:`~narwhal.scheduling.engines.Slot.observe_gap`):
+a step that also prefills takes its prefill chunk longer than the decode step predicted.
 
-* ``warming``: fewer than :attr:`Drift.warm_up` requests since the last reset;
-* ``ok``: the TTFT ratio inside ``1 / 1.5 .. 1.5``;
-* ``sustained``: the TTFT ratio beyond 1.5 for :attr:`Drift.sustain` requests in a row. The
+The state, from whichever phase has left ``warming`` (the worse of the two):
+
+* ``warming``: fewer than :attr:`Drift.warm_up` samples of each phase since the last reset;
+* ``ok``: the ratios inside ``1 / 1.5 .. 1.5``;
+* ``sustained``: a ratio beyond 1.5 for :attr:`Drift.sustain` samples in a row. The
   engine's placement is penalised (:attr:`Drift.penalty`, the TTFT residual) and it is
   re-profiled when it next holds no request;
 * ``severe``: beyond 3 for :attr:`Drift.sustain` requests in a row: penalised, and
@@ -35,7 +38,7 @@ how the profile's decode step grows with the batch (an engine whose true slope i
   eligible engine or the forecast has not learned it slower itself; held, it drains, and its
   re-profiling when idle ends the hold.
 
-An engine faster than its forecast (a TTFT ratio below ``1 / 1.5``) is reported ``fast``: it is not
+An engine faster than its forecast (a ratio below ``1 / 1.5``) is reported ``fast``: it is not
 penalised, and it is re-profiled when idle so that its speed is used.
 """
 
@@ -168,11 +171,7 @@ class Drift:
     @property
     def state(self) -> DriftState:
         """The drift state now (see the module doc)."""
-        # Only the time to first token decides: the decode probe times one sequence, so the
-        # time per output token of a full batch against it measures how the profile's decode
-        # step grows with the batch, not how the engine drifts (it reads 3x on an engine whose
-        # true batch slope is steeper than its profile's, for ever). TPOT drift is shown.
-        phases = [p for p in (self.ttft,) if p.samples >= self.warm_up]
+        phases = [p for p in (self.ttft, self.tpot) if p.samples >= self.warm_up]
         if not phases:
             return "warming"
         if any(p.far_above >= self.sustain for p in phases):

@@ -154,6 +154,9 @@ class Engine:
     # until then): drift is measured against them, not against what was learned since.
     profiled_scale: float = attrs.field(init=False)
     profiled_decode_scale: float = attrs.field(init=False)
+    # When a request here last left prefill (its first token, or it left): an inter-token gap
+    # that began before then may have shared its step with a prefill.
+    prefill_seen_at: float = -math.inf
     # The engine's queue gauges from its /metrics (narwhal.upstream.health polls them): the
     # last good poll's readings and time. ``metrics_expected`` turns false where the dialect
     # has no such gauges (openai) or the engine showed it publishes none (a 404, no gauge);
@@ -432,10 +435,15 @@ class Slot:
         if engine.overcommitted:
             return
         forecast = engine.forecast
-        # Drift counts each request once, at its end: its gaps against their predictions.
-        self.gaps_observed_s += gap_s
-        self.gaps_predicted_s += forecast.tpot_s() * tokens
-        self.gap_tokens += tokens
+        # Drift counts each request once, at its end: its gaps against their predictions, those
+        # whose steps only decoded (no prompt here was in prefill since the gap began): the
+        # predicted time per output token is the decode step's, which a step that also
+        # prefills exceeds by its prefill chunk (TPOT would read 2 to 4x on a healthy engine
+        # under prefill load).
+        if engine.prefill == 0 and engine.prefill_seen_at <= trio.current_time() - gap_s:
+            self.gaps_observed_s += gap_s
+            self.gaps_predicted_s += forecast.tpot_s() * tokens
+            self.gap_tokens += tokens
         forecast.observe_gap(gap_s, tokens)
 
     @property
@@ -462,6 +470,7 @@ class Slot:
         self.phase = "decode"
         self.context_tokens = self.prompt_tokens
         now = trio.current_time()
+        engine.prefill_seen_at = now
         if observed:
             if not engine.overcommitted:
                 engine.observe_ttft(now - self.placed_at, self.predicted_ttft_s)
@@ -498,6 +507,7 @@ class Slot:
         engine = self.engine
         if self.phase == "prefill":
             engine.prefill -= 1
+            engine.prefill_seen_at = trio.current_time()
             engine.forecast.abandon_prefill(self.key, trio.current_time())
         elif self.phase == "decode":
             engine.decode -= 1

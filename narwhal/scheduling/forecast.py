@@ -35,6 +35,7 @@ __all__ = ["Backlog", "Prefill", "PrefillForecast"]
 _LEARNING_RATE = 0.2
 _DECODE_RATE = 0.02
 _SCALE_BOUNDS = (0.05, 50.0)
+_SLOPE_BOUNDS = (0.0, 1000.0)  # the profile's batch terms are small beside its fixed cost
 _LATENCY_BOUNDS = (0.0, 10.0)
 _LATENCY_UNIT_S = 0.01  # the latency term's regressor: makes both weights dimensionless
 
@@ -89,6 +90,10 @@ class PrefillForecast:
         pipeline: the placed prefill work not done yet.
         pending: each placed request still waiting for its first token, by placement key, in
             placement order.
+        decode_scale: observed over profiled decode step, learned (1.0: the profile is right).
+        decode_slope: how much steeper the decode step grows with the batch than the profile
+            says (its per-sequence and per-context-token terms; 1.0: as profiled), from the
+            profiling's decode probes at several batch sizes (:meth:`decode_step_s`).
         decoding: requests past their first token.
         decode_context: context tokens (prompt and output so far) of the decoding requests.
     """
@@ -98,6 +103,7 @@ class PrefillForecast:
     scale: float = 1.0
     latency_s: float = 0.0
     decode_scale: float = 1.0
+    decode_slope: float = 1.0
     pipeline: Backlog = attrs.field(factory=Backlog)
     step_seen_at: float = -math.inf
     pending: dict[int, Prefill] = attrs.field(factory=dict)
@@ -124,8 +130,8 @@ class PrefillForecast:
         profile = self.profile
         decoding, context = (self.decoding, self.decode_context) if batch is None else batch
         budget = max(1, profile.max_num_batched_tokens - decoding)
-        if decoding:
-            return budget, profile.decode_step_ms(decoding, context)
+        if decoding:  # the decode step as profiled (decode_slope); scale takes it to time
+            return budget, self.decode_step_s(decoding, context, scaled=False) * 1000
         return budget, profile.prefill_base_ms
 
     def tpot_with(self, tokens: int) -> float:
@@ -135,18 +141,28 @@ class PrefillForecast:
         """
         batch = self.decoding + self.in_prefill + 1
         context = self.decode_context + sum(p.tokens for p in self.pending.values()) + tokens
-        # The profile's decode step, at the speed learned from the engine's inter-token gaps.
-        return self.profile.decode_step_ms(batch, context) / 1000 * self.decode_scale
+        return self.decode_step_s(batch, context)
 
     def tpot_s(self) -> float:
         """Predicted time per output token of the decoding batch as it is now."""
         batch = max(1, self.decoding)
         context = self.decode_context + sum(p.tokens for p in self.pending.values())
-        return self.profile.decode_step_ms(batch, context) / 1000 * self.decode_scale
+        return self.decode_step_s(batch, context)
+
+    def decode_step_s(self, batch: int, context_tokens: int, *, scaled: bool = True) -> float:
+        """A decode step over ``batch`` sequences holding ``context_tokens``: the profile's,
+        its batch terms ``decode_slope`` times steeper, at the learned speed (``decode_scale``;
+        not ``scaled``: without it)."""
+        profile = self.profile
+        if batch <= 0:
+            return 0.0
+        grows = profile.decode_step_ms(batch, context_tokens) - profile.decode_base_ms
+        step_s = (profile.decode_base_ms + self.decode_slope * grows) / 1000
+        return step_s * self.decode_scale if scaled else step_s
 
     def observe_gap(self, gap_s: float, tokens: int) -> None:
         """An inter-token gap was observed (per token): learn the decode scale."""
-        expected = self.profile.decode_step_ms(max(1, self.decoding), self.decode_context) / 1000
+        expected = self.decode_step_s(max(1, self.decoding), self.decode_context, scaled=False)
         if expected <= 0 or gap_s <= 0:
             return
         ratio = min(max(gap_s / tokens / expected, self.decode_scale / 2), self.decode_scale * 2)
@@ -367,10 +383,13 @@ class PrefillForecast:
         self.decoding = max(0, self.decoding - 1)
         self.decode_context = max(0, self.decode_context - context_tokens)
 
-    def calibrate(self, *, scale: float, latency_s: float, decode_scale: float) -> None:
+    def calibrate(
+        self, *, scale: float, latency_s: float, decode_scale: float, decode_slope: float = 1.0
+    ) -> None:
         """Take the model a profiling measured (:mod:`narwhal.upstream.profiling`): observed
         prefill ``latency_s + scale * profiled compute``, decode ``decode_scale`` times the
-        profile's step."""
+        profile's step with its batch terms ``decode_slope`` times steeper."""
+        self.decode_slope = min(_SLOPE_BOUNDS[1], max(_SLOPE_BOUNDS[0], decode_slope))
         self.scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], scale))
         self.latency_s = min(_LATENCY_BOUNDS[1], max(_LATENCY_BOUNDS[0], latency_s))
         self.decode_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], decode_scale))

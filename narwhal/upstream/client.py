@@ -32,6 +32,7 @@ from narwhal.scheduling.health import FailureKind
 from narwhal.upstream.transport import EngineTransport, OneShotBody
 
 __all__ = [
+    "FENCE_HEADER",
     "MAX_EVENT_BYTES",
     "MAX_WHOLE_BYTES",
     "ChunkEvent",
@@ -49,6 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DRAIN_AFTER_DONE_S = 1.0
+FENCE_HEADER = "x-narwhal-fence"  # the lease's fencing token, on every request to an engine
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # an engine event (SSE block) longer than this is malformed
 MAX_WHOLE_BYTES = 64 * 1024 * 1024  # a non-streaming answer longer than this is malformed
 
@@ -147,6 +149,12 @@ class EngineClient:
     async def aclose(self) -> None:
         """Close every pooled connection."""
         await self.http.aclose()
+
+    def set_fence(self, token: int) -> None:
+        """Send ``token`` as ``x-narwhal-fence`` with every request from now on: the lease's
+        fencing token (:mod:`narwhal.control.lease`), in the client's own headers, so that no
+        request pays for it."""
+        self.http.headers[FENCE_HEADER] = str(token)
 
     async def open_stream(
         self,

@@ -358,17 +358,23 @@ class HealthPoller:
             return False
         self._profiling_told = None
         engine.forecast.calibrate(
-            scale=fit.scale, latency_s=fit.latency_s, decode_scale=fit.decode_scale
+            scale=fit.scale,
+            latency_s=fit.latency_s,
+            decode_scale=fit.decode_scale,
+            decode_slope=fit.decode_slope,
         )
         log.info(
-            "engine %s profiled: prefill scale %.3g, latency %.3g s, decode scale %.3g (%s)",
+            "engine %s profiled: prefill scale %.3g, latency %.3g s, decode scale %.3g, "
+            "slope %.3g (%s; decode %s)",
             engine.name,
             engine.forecast.scale,
             engine.forecast.latency_s,
             engine.forecast.decode_scale,
+            engine.forecast.decode_slope,
             ", ".join(
                 f"{tokens} tokens {seconds * 1000:.1f} ms" for tokens, seconds in fit.prefill
             ),
+            ", ".join(f"{batch} at once {s * 1000:.2f} ms/token" for batch, s in fit.decode),
         )
         _log_change(engine, engine.profiled_now())
         return True

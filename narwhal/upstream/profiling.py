@@ -8,14 +8,20 @@ its drift asks for it (:mod:`narwhal.scheduling.drift`). The measurement, on an 
   with token-ID prompts (so that the size is exact whatever the tokenizer) of fresh random IDs
   (so that no prefix cache serves them) and ``max_tokens: 1``. The time to the first output
   event, the fastest of the two, is the observed time to first token.
-* **decode**: one streamed request of :data:`DECODE_TOKENS` tokens (``ignore_eos`` for the
-  vLLM and SGLang dialects; the simulator's answers are never shorter), whose seven inter-token
-  gaps are measured per token.
+* **decode**: at each batch size of :data:`DECODE_BATCHES` (clipped to the profile's
+  ``max_num_seqs``), that many streamed requests at once, of :data:`DECODE_TOKENS` tokens each
+  (``ignore_eos`` for the vLLM and SGLang dialects; the simulator's answers are never shorter),
+  whose inter-token gaps are measured per token. The batches run one after the other, so each
+  times a decode step over that many sequences.
 
 The fit: ``observed = latency + scale * compute`` by least squares over the prompt sizes
 (``compute`` is the profile's time for the prompt alone on an idle engine, what the forecast
-itself computes), with the latency at least 0; ``decode_scale`` is the median of each gap per
-token over the profile's decode step for one sequence at that context. The result goes to
+itself computes), with the latency at least 0. The decode step is fitted the same way, per
+batch size, on the median gap per token: ``observed = decode_scale * (a_d + decode_slope *
+grows)``, where ``a_d`` is the profile's fixed decode cost and ``grows`` what its step adds for
+that batch and context (``s_d * B + k_d * K``), so that an engine whose step grows faster with
+the batch than its profile's is predicted right at a full batch as well as at one sequence
+(:meth:`~narwhal.scheduling.forecast.PrefillForecast.decode_step_s`). The result goes to
 :meth:`~narwhal.scheduling.forecast.PrefillForecast.calibrate`.
 
 A probe that errs, times out or returns invalid token IDs (where the engine provides them;
@@ -34,7 +40,7 @@ from __future__ import annotations
 import logging
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import orjson
@@ -46,6 +52,7 @@ from narwhal.scheduling.profiles import EngineProfile
 from narwhal.upstream.client import ChunkEvent, DoneEvent, EngineClient, ErrorFrameEvent
 
 __all__ = [
+    "DECODE_BATCHES",
     "DECODE_TOKENS",
     "PROBE_USER",
     "PROMPT_SIZES",
@@ -64,6 +71,9 @@ PROMPT_SIZES = (64, 512, 2048)
 
 DECODE_TOKENS = 8
 """The output tokens asked of the decode probe."""
+
+DECODE_BATCHES = (1, 8, 32)
+"""The batch sizes of the decode probes: that many requests at once, each batch in turn."""
 
 PROBE_USER = "narwhal-profiling"
 """The ``user`` field of every profiling probe, which tells them apart in an engine's logs."""
@@ -93,15 +103,19 @@ class ProfileFit:
         scale: observed over profiled prefill compute.
         latency_s: time to first token that does not depend on the prompt.
         decode_scale: observed over profiled decode step.
+        decode_slope: how much steeper than the profile's the decode step grows with the batch.
         prefill: ``(prompt tokens, observed time to first token)`` per size.
         gaps: the inter-token gaps the decode fit used.
+        decode: ``(batch size, median gap per token)`` per decode batch measured.
     """
 
     scale: float
     latency_s: float
     decode_scale: float
+    decode_slope: float
     prefill: tuple[tuple[int, float], ...]
     gaps: int
+    decode: tuple[tuple[int, float], ...] = ()
 
 
 def probe_sizes(profile: EngineProfile, max_model_len: int | None) -> tuple[int, ...]:
@@ -142,20 +156,57 @@ def fit_prefill(
     return max(scale, 0.0), 0.0
 
 
+def decode_batches(profile: EngineProfile) -> tuple[int, ...]:
+    """The decode probes' batch sizes: :data:`DECODE_BATCHES` clipped to ``max_num_seqs``."""
+    return tuple(sorted({max(1, min(size, profile.max_num_seqs)) for size in DECODE_BATCHES}))
+
+
 def fit_decode(
-    profile: EngineProfile, prompt_tokens: int, gaps: Sequence[tuple[float, int]]
-) -> float:
-    """The decode scale: the median over ``(gap seconds, tokens)`` of the gap per token over the
-    profile's step for one sequence at that context (the context grows by each gap's tokens)."""
+    profile: EngineProfile,
+    prompt_tokens: int,
+    batches: Mapping[int, Sequence[Sequence[tuple[float, int]]]],
+) -> tuple[float, float]:
+    """``(decode_scale, decode_slope)`` from each batch size's probes, each probe's gaps as
+    ``(gap seconds, tokens)``, every probe with a ``prompt_tokens`` prompt (the context grows by
+    each gap's tokens): ``observed = decode_scale * (a_d + decode_slope * grows)`` (see the
+    module doc) by least squares over the batches' median gap per token and median ``grows``.
+    A probe's first gap counts only when it ran alone: beside others, its sequence may have
+    waited for their prefill.
+
+    With one batch size, or a fit that is not positive, the slope is the profile's (1.0) and the
+    scale the median of each gap per token over the profile's step."""
+    points = []  # (fixed cost, what the batch adds, observed) per batch, ms
     ratios = []
-    context = prompt_tokens + 1  # the first token came with the prefill
-    for gap_s, tokens in gaps:
-        expected = profile.decode_step_ms(1, context) / 1000
-        ratios.append(gap_s / tokens / expected)
-        context += tokens
+    base = profile.decode_base_ms
+    for batch, probes in sorted(batches.items()):
+        steps, grows = [], []
+        for gaps in probes:
+            at = 0  # output tokens before the gap, past the first (it came with the prefill)
+            for index, (gap_s, tokens) in enumerate(gaps):
+                context = batch * (prompt_tokens + 1 + at)
+                at += tokens
+                if index == 0 and len(probes) > 1:
+                    continue
+                expected = profile.decode_step_ms(batch, context)
+                steps.append(gap_s * 1000 / tokens)
+                grows.append(expected - base)
+                ratios.append(gap_s * 1000 / tokens / expected)
+        if steps:
+            points.append((statistics.median(grows), statistics.median(steps)))
     if not ratios:
         raise ValueError("no gap")
-    return statistics.median(ratios)
+    if len(points) >= 2 and base > 0:
+        xs = [grows for grows, _ in points]
+        ys = [observed for _, observed in points]
+        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        if spread > 0:
+            per_grow = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+            per_grow /= spread
+            fixed = mean_y - per_grow * mean_x
+            if fixed > 0 and per_grow >= 0:
+                return fixed / base, per_grow / (fixed / base)
+    return statistics.median(ratios), 1.0
 
 
 async def profile_engine(
@@ -177,14 +228,48 @@ async def profile_engine(
             ttft_s, _ = await _probe(engine, client, model, prompt, 1, timeout_s)
             times.append(ttft_s)
         samples.append((size, min(times)))
-    prompt = [ids.randrange(*_ID_RANGE) for _ in range(min(_DECODE_PROMPT, samples[0][0]))]
-    _, gaps = await _probe(engine, client, model, prompt, DECODE_TOKENS, timeout_s)
+    prompt_tokens = min(_DECODE_PROMPT, samples[0][0])
+    batches: dict[int, list[list[tuple[float, int]]]] = {}
+    for batch in decode_batches(profile):
+        prompts = [[ids.randrange(*_ID_RANGE) for _ in range(prompt_tokens)] for _ in range(batch)]
+        probes = await _probe_batch(engine, client, model, prompts, timeout_s)
+        # A batch whose answers the engine ended early is left out.
+        if all(len(gaps) >= _MIN_GAPS for gaps in probes):
+            batches[batch] = probes
     scale, latency_s = fit_prefill(profile, samples)
-    if len(gaps) >= _MIN_GAPS:
-        decode_scale = fit_decode(profile, len(prompt), gaps)
-    else:  # the engine ended the answer early: keep what the forecast has
-        decode_scale = engine.forecast.decode_scale
-    return ProfileFit(scale, latency_s, decode_scale, tuple(samples), len(gaps))
+    decode_scale, decode_slope = engine.forecast.decode_scale, engine.forecast.decode_slope
+    if batches:
+        decode_scale, decode_slope = fit_decode(profile, prompt_tokens, batches)
+    decode = tuple(
+        (batch, statistics.median(gap / tokens for gaps in probes for gap, tokens in gaps))
+        for batch, probes in batches.items()
+    )
+    gaps = sum(len(gaps) for probes in batches.values() for gaps in probes)
+    return ProfileFit(scale, latency_s, decode_scale, decode_slope, tuple(samples), gaps, decode)
+
+
+async def _probe_batch(
+    engine: Engine, client: EngineClient, model: str, prompts: list[list[int]], timeout_s: float
+) -> list[list[tuple[float, int]]]:
+    """Decode probes at once, one per prompt: each one's gaps (the first failure raised)."""
+    gaps: list[list[tuple[float, int]]] = []
+    failures: list[ProfilingFailed] = []
+
+    async def one(prompt: list[int]) -> None:
+        try:
+            _, probe_gaps = await _probe(engine, client, model, prompt, DECODE_TOKENS, timeout_s)
+        except ProfilingFailed as failed:
+            failures.append(failed)
+            nursery.cancel_scope.cancel()
+            return
+        gaps.append(probe_gaps)
+
+    async with trio.open_nursery() as nursery:
+        for prompt in prompts:
+            nursery.start_soon(one, prompt)
+    if failures:
+        raise failures[0]
+    return gaps
 
 
 async def _probe(
