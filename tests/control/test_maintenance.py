@@ -325,3 +325,39 @@ async def test_unknown_waves_and_bad_parameters_are_envelopes(
         response = await admin(fleet, "GET", "/admin/maintenance/a", wait_s=value)
         assert response.status_code == 400
     assert not fleet.router.maintenance.status("a").in_maintenance  # a 400 started nothing
+
+
+async def test_whole_wave_maintenance_lets_streams_finish_and_refuses_the_queue(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock
+) -> None:
+    fleet = await fleet_of(
+        start_fleet, {"sim-a": "a", "sim-b": "b"}, prefill_concurrency=1, decode_concurrency=1
+    )
+    ended: list[float] = []
+    queued: list[httpx.Response] = []
+
+    async def queue_one() -> None:
+        queued.append(await fleet.chat())
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream, fleet, ended)
+            nursery.start_soon(stream, fleet, ended)
+            await until(lambda: all(engine.slots for engine in fleet.router.pool))
+            sent = trio.current_time()
+            nursery.start_soon(queue_one)
+            await until(lambda: depth(fleet) == 1)
+            for wave in ("a", "b"):
+                response = await admin(fleet, "POST", f"/admin/maintenance/{wave}", force="true")
+                assert response.status_code == 200 and response.json()["running"] == 1
+            assert fleet.router.state == "maintenance"
+            await until(lambda: bool(queued))
+            assert trio.current_time() - sent < 0.01  # refused at once, not at its deadline
+    (refused,) = queued
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "backend_unavailable"
+    assert len(ended) == 2  # both streams ran to their end
+    statuses = (await admin(fleet, "GET", "/admin/maintenance")).json()
+    assert [w["drained"] for w in statuses["waves"]] == [True, True]
+    assert statuses["state"] == "maintenance"
+    fleet.assert_quiescent()
