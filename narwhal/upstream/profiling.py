@@ -81,6 +81,7 @@ PROBE_USER = "narwhal-profiling"
 _DECODE_PROMPT = 64
 _ROUNDS = 2  # probes per prompt size; the fastest counts
 _MIN_GAPS = 3
+_NOISE_RISE = 3  # the decode step's rise over the batches, in its gaps' deviations, to fit
 # Token IDs every vocabulary holds, past the special tokens that lead most of them: a small
 # model's vocabulary may be only a few thousand (the real-engine tier's has 2,048), and vLLM
 # refuses an ID outside it with a 400.
@@ -173,10 +174,12 @@ def fit_decode(
     A probe's first gap counts only when it ran alone: beside others, its sequence may have
     waited for their prefill.
 
-    With one batch size, or a fit that is not positive, the slope is the profile's (1.0) and the
-    scale the median of each gap per token over the profile's step."""
-    points = []  # (fixed cost, what the batch adds, observed) per batch, ms
+    With one batch size, a rise from the smallest batch to the largest within three times the
+    gaps' median absolute deviation (noise), or a fit that is not positive, the slope is the
+    profile's (1.0) and the scale the median of each gap per token over the profile's step."""
+    points = []  # (what the batch adds, observed) per batch, ms
     ratios = []
+    noise = 0.0  # the largest batch's median absolute deviation of its steps, ms
     base = profile.decode_base_ms
     for batch, probes in sorted(batches.items()):
         steps, grows = [], []
@@ -192,10 +195,15 @@ def fit_decode(
                 grows.append(expected - base)
                 ratios.append(gap_s * 1000 / tokens / expected)
         if steps:
-            points.append((statistics.median(grows), statistics.median(steps)))
+            middle = statistics.median(steps)
+            points.append((statistics.median(grows), middle))
+            noise = max(noise, statistics.median(abs(step - middle) for step in steps))
     if not ratios:
         raise ValueError("no gap")
-    if len(points) >= 2 and base > 0:
+    # The slope is fitted only where the step grows with the batch well beyond the gaps' own
+    # scatter: a profile's batch terms are small beside its fixed cost, and a noisy engine (a
+    # loaded host) would otherwise read as a steep one.
+    if len(points) >= 2 and base > 0 and points[-1][1] - points[0][1] > _NOISE_RISE * noise:
         xs = [grows for grows, _ in points]
         ys = [observed for _, observed in points]
         mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
