@@ -58,7 +58,8 @@ def capacity_rps(engine: Engine) -> float:
     A reference request (:data:`REFERENCE_PROMPT_TOKENS` in, :data:`REFERENCE_OUTPUT_TOKENS`
     out) costs the engine its prefill, at the forecast's learned prefill ``scale``, plus its
     share of the decode steps of a full batch (the smaller of ``decode_concurrency`` and the
-    profile's ``max_num_seqs``), at the learned ``decode_scale``. The latency the forecast
+    profile's ``max_num_seqs``), as the forecast has learned them (``decode_slope``,
+    ``decode_scale``). The latency the forecast
     learns (front end, network) does not queue, so it costs no capacity.
     """
     forecast = engine.forecast
@@ -66,7 +67,7 @@ def capacity_rps(engine: Engine) -> float:
     batch = max(1, min(engine.decode_limit, profile.max_num_seqs))
     context = batch * (REFERENCE_PROMPT_TOKENS + REFERENCE_OUTPUT_TOKENS // 2)
     prefill_s = profile.prefill_ms(REFERENCE_PROMPT_TOKENS) / 1000 * forecast.scale
-    step_s = profile.decode_step_ms(batch, context) / 1000 * forecast.decode_scale
+    step_s = forecast.decode_step_s(batch, context)
     per_request_s = prefill_s + REFERENCE_OUTPUT_TOKENS * step_s / batch
     return 1.0 / per_request_s if per_request_s > 0 else math.inf
 
