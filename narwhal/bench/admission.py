@@ -234,7 +234,8 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
         capacity = with_engine_time(capacity, setup)
     walls["capacity"] = time.perf_counter() - phase
     echo(
-        f"capacity: {capacity.engine_s_per_s:.3f} engine-s/s, {capacity.rps:.2f} req/s of the "
+        f"capacity: {capacity.ceiling:g} engine-s/s (the engines' count), "
+        f"{capacity.engine_s_per_s:.3f} delivered saturated, {capacity.rps:.2f} req/s of the "
         f"trace's mix ({walls['capacity']:.0f} s wall)"
     )
 
@@ -259,6 +260,7 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
             settings.budget_s,
             queue_cap=queue_cap,
             max_num_queued_tokens=engine_caps,
+            warmup_fraction=settings.warmup_fraction,
         )
         for load, mode in plan
     ]
@@ -371,11 +373,14 @@ def queue_cap_for(capacity: Capacity, budget_s: float) -> int:
 
 
 def with_engine_time(capacity: Capacity, setup: VirtualSetup) -> Capacity:
-    """A given capacity completed with its engine time, if it has none.
+    """A given capacity completed with its engine time, if it has none, and the engines'
+    count (the engine-time bound's capacity, :attr:`Capacity.ceiling`).
 
     Its engine seconds per second are then its rate times the replayed requests' mean
-    engine work (:meth:`VirtualSetup.work`: the engines' true cost).
+    engine work (:meth:`VirtualSetup.work`: the engines' true cost, an estimate).
     """
+    if capacity.engines <= 0:
+        capacity = attrs.evolve(capacity, engines=len(setup.router.engines))
     if capacity.engine_s_per_s > 0:
         return capacity
     return attrs.evolve(capacity, engine_s_per_s=capacity.rps * setup.work().mean(setup.rows()))
@@ -401,6 +406,8 @@ def _figures(
         wall_s=result.wall_s,
         virtual_s=result.virtual_s,
         samples=result.samples,
+        window=result.window,
+        steps=result.steps,
     )
 
 

@@ -13,6 +13,12 @@ it, and, once it completes, the TTFT the router measured and the one it predicte
 The one *forced* request of a false-refusal rerun is let through whatever its projection by the
 router's ``exempt`` hook, which asks whether the request's task carries the forced probe.
 
+The engine time each request was given is read from the simulator itself: a step ledger
+(:class:`_Ledger`, set on every engine by :meth:`~narwhal.sim.SimEngine.watch_steps`) records
+every step the engines run and charges it to the requests in it
+(:func:`~narwhal.bench.goodput.charge_step`); a request's charge inside the replay's measurement
+window is its ``engine_work_s``, and the steps give the engines' busy time.
+
 For ``narwhal bench report``, a sampler task (:class:`_Sampler`) reads the router's safety
 factor and each engine's drift once per virtual second during every replay.
 
@@ -34,6 +40,7 @@ import logging
 import os
 import random
 import time
+import weakref
 from collections.abc import Iterator
 from functools import partial
 from typing import Any, Literal, cast
@@ -51,8 +58,11 @@ from narwhal.bench.goodput import (
     Capacity,
     CostModel,
     Outcome,
+    StepRecord,
     Window,
     Work,
+    charge_step,
+    ledger_rates,
     work_in_window,
 )
 from narwhal.bench.inprocess import EngineTruth, InProcessFleet, open_fleet
@@ -60,6 +70,7 @@ from narwhal.bench.load import StreamTimer, percentile
 from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate, truncate
 from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig, UpstreamConfig
 from narwhal.scheduling.profiles import get_profile
+from narwhal.sim.batching import BatchSeq, BatchStep
 from narwhal.sim.calibration import ALIASES
 from narwhal.sim.timing import StepTiming
 from narwhal.upstream.transport import OneShotBody
@@ -281,6 +292,8 @@ class _Probe:
     would_refuse: bool = False
     router_ttft_s: float | None = None
     placement_ttft_s: float | None = None
+    ran: bool = False  # it reached an engine's step loop (the ledger has an account of it)
+    work_s: float = 0.0  # engine time the ledger charged it inside the window
 
 
 _PROBE: contextvars.ContextVar[_Probe | None] = contextvars.ContextVar(
@@ -326,6 +339,79 @@ def _hooks(fleet: InProcessFleet) -> Iterator[None]:
             yield
     finally:
         router.exempt = exempt
+
+
+# -- the ledger ---------------------------------------------------------------------------------
+
+
+class _Ledger:
+    """The fleet's account of engine time: every step the engines run (:class:`StepRecord`,
+    seconds from ``origin``) and, with a ``window``, each request's charge inside it, added to
+    the probe of the task that submitted it (the request's own context, inherited by the
+    router's tasks for it). Steps and charges of requests without a probe (the router's
+    profiling probes) count in the steps only."""
+
+    def __init__(self, origin: float, window: Window | None) -> None:
+        self.steps: list[StepRecord] = []
+        self.origin = origin
+        self.window = window
+        self.owners: weakref.WeakKeyDictionary[BatchSeq, _Probe] = weakref.WeakKeyDictionary()
+
+
+class _EngineLedger:
+    """One engine's :class:`~narwhal.sim._steps.StepLedger`, charging by its own costs."""
+
+    def __init__(self, ledger: _Ledger, costs: CostModel) -> None:
+        self._ledger = ledger
+        self._costs = costs
+
+    def submitted(self, seq: BatchSeq) -> None:
+        probe = _PROBE.get()
+        if probe is not None:
+            probe.ran = True
+            self._ledger.owners[seq] = probe
+
+    def stepped(self, step: BatchStep, start: float, duration_s: float) -> None:
+        ledger = self._ledger
+        charges = charge_step(self._costs, step, duration_s)
+        at = start - ledger.origin
+        ledger.steps.append(StepRecord(at, duration_s, sum(charge for _, charge in charges)))
+        window = ledger.window
+        share = 0.0 if window is None else window.share(at, duration_s)
+        if share:
+            owners = ledger.owners
+            for seq, charge in charges:
+                probe = owners.get(seq)
+                if probe is not None:
+                    probe.work_s += charge * share
+
+
+@contextlib.contextmanager
+def _ledgered(fleet: InProcessFleet, ledger: _Ledger) -> Iterator[_Ledger]:
+    """``ledger`` on every engine of the fleet while the block runs.
+
+    Raises:
+        ValueError: an engine has no step loop (a per-request timing model: no steps to count).
+    """
+    engines = list(fleet.engines.values())
+    try:
+        for engine in engines:
+            costs = cast(CostModel, getattr(engine.timing, "profile", None))
+            if costs is None or not engine.watch_steps(_EngineLedger(ledger, costs)):
+                raise ValueError(f"engine {engine.name}: no step loop to keep a ledger of")
+        yield ledger
+    finally:
+        for engine in engines:
+            engine.watch_steps(None)
+
+
+def _replay_window(rows: list[TraceRequest], warmup_fraction: float) -> Window:
+    """The measurement window of a replay of ``rows`` (as :meth:`Window.of` its outcomes)."""
+    if not rows:
+        return Window(0.0, 0.0)
+    first = min(row.arrival_s for row in rows)
+    last = max(row.arrival_s for row in rows)
+    return Window(first + (last - first) * warmup_fraction, last)
 
 
 # -- one request --------------------------------------------------------------------------------
@@ -433,9 +519,11 @@ class CapacityJob:
     what it offers is the trace's mix. Its first wave starts at once, and its short requests
     end first: the warm-up lasts until every request of that wave has ended, so the window
     does not see a mix favouring short requests, and the window lasts until it has completed
-    ``passes`` times the trace's rows. The requests in flight then finish, and the capacity is
-    the engine work done inside the window (:func:`~narwhal.bench.goodput.work_in_window`,
-    as goodput counts it) per second. The truth's slowdowns are in force from the start, so
+    ``passes`` times the trace's rows. The requests in flight then finish. The engine time the
+    step ledger charged inside the window, per second, is what the engines deliver saturated
+    (:attr:`Capacity.engine_s_per_s`, beside the engines' count, the engine-time bound's
+    capacity); the cost model's work rate over the trace's mean is the load axis
+    (:attr:`Capacity.rps`). The truth's slowdowns are in force from the start, so
     the loop measures the engines in that state.
 
     Attributes:
@@ -498,6 +586,7 @@ async def _capacity(job: CapacityJob) -> Capacity:
         tokens_per_chunk=setup.tokens_per_chunk,
     ) as fleet:
         origin = trio.current_time()
+        ledger = _Ledger(origin, None)
         numbers = iter(range(1 << 62))
 
         async def worker() -> None:
@@ -535,10 +624,11 @@ async def _capacity(job: CapacityJob) -> Capacity:
             # loop's time limit.
             cancel.deadline = trio.current_time() + job.max_s
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(measure, nursery.cancel_scope)
-            for _ in range(concurrency):
-                nursery.start_soon(worker)
+        with _ledgered(fleet, ledger):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(measure, nursery.cancel_scope)
+                for _ in range(concurrency):
+                    nursery.start_soon(worker)
         fleet.nursery.cancel_scope.cancel()
     start, stop = bounds
     window = max(stop - start, 1e-9)
@@ -550,13 +640,17 @@ async def _capacity(job: CapacityJob) -> Capacity:
     ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
     trace_mean = work.mean(rows)
     done_mean = work.mean(done) if done else None
-    # The work done inside the window, as goodput counts it (every request in flight having
-    # finished): the same estimator on both sides of the bound.
-    engine_rate = work_in_window(work, outcomes.values(), Window(start, stop)) / window
-    noise = _relative_error(work, list(outcomes.values()), start, stop)
+    # The load axis: the cost model's work rate over the trace's mean (the mix the window
+    # completed does not matter). The engine time: the ledger's, as goodput reads it.
+    model_rate = work_in_window(work, outcomes.values(), Window(start, stop)) / window
+    busy, charged = ledger_rates(ledger.steps, Window(start, stop))
+    noise = _relative_error(ledger.steps, start, stop)
     return Capacity(
-        rps=engine_rate / trace_mean if trace_mean > 0 else len(done) / window,
-        engine_s_per_s=engine_rate,
+        rps=model_rate / trace_mean if trace_mean > 0 else len(done) / window,
+        engine_s_per_s=charged,
+        engines=len(setup.router.engines),
+        busy_s_per_s=busy,
+        model_s_per_s=model_rate,
         window_s=window,
         completed=len(done),
         concurrency=concurrency,
@@ -572,14 +666,14 @@ async def _capacity(job: CapacityJob) -> Capacity:
 _NOISE_PARTS = 6
 
 
-def _relative_error(work: Work, outcomes: list[Outcome], start: float, stop: float) -> float:
-    """The capacity's own noise: the standard error of the work rate over six equal parts of
-    the window (batch means), relative to their mean."""
+def _relative_error(steps: list[StepRecord], start: float, stop: float) -> float:
+    """The capacity's own noise: the standard error of the ledger's charged rate over six
+    equal parts of the window (batch means), relative to their mean."""
     step = (stop - start) / _NOISE_PARTS
     if step <= 0:
         return 0.0
     rates = [
-        work_in_window(work, outcomes, Window(start + i * step, start + (i + 1) * step)) / step
+        ledger_rates(steps, Window(start + i * step, start + (i + 1) * step))[1]
         for i in range(_NOISE_PARTS)
     ]
     mean = sum(rates) / len(rates)
@@ -606,6 +700,8 @@ class ReplayJob:
             once its budget has run out.
         queue_cap: the router's queue cap (``queue-cap`` mode).
         max_num_queued_tokens: each engine's engine-side cap (``engine-cap`` mode).
+        warmup_fraction: share of the replay's span before its measurement window (the
+            window the ledger charges requests in).
     """
 
     setup: VirtualSetup
@@ -615,6 +711,7 @@ class ReplayJob:
     forced: int | None = None
     queue_cap: int | None = None
     max_num_queued_tokens: tuple[int, ...] = ()
+    warmup_fraction: float = 0.2
 
 
 @attrs.frozen
@@ -632,6 +729,10 @@ class ReplayResult:
         deterministic: the scheduler was seeded.
         samples: the router's state once per virtual second (:class:`_Sampler`); ``None`` for
             a forced-in rerun.
+        window: the measurement window, from the replay's origin (each outcome's
+            ``engine_work_s`` is its charge inside it).
+        steps: the ledger's steps, every engine's (:class:`StepRecord`; empty for a forced-in
+            rerun).
     """
 
     outcomes: tuple[Outcome, ...]
@@ -642,6 +743,8 @@ class ReplayResult:
     forced_would_refuse: bool | None = None
     deterministic: bool = True
     samples: dict[str, Any] | None = None
+    window: Window | None = None
+    steps: tuple[StepRecord, ...] = ()
 
 
 _SAMPLE_EVERY_S = 1.0
@@ -714,6 +817,8 @@ async def _replay(job: ReplayJob) -> ReplayResult:
     forced_row = next((row for row in rows if row.index == job.forced), None)
     outcomes: dict[int, Outcome] = {}
     forced_probe = _Probe(forced=True)
+    probes = {row.index: forced_probe if row is forced_row else _Probe() for row in rows}
+    window = _replay_window(rows, job.warmup_fraction)
     async with open_fleet(
         config,
         truth=setup.truth,
@@ -722,8 +827,8 @@ async def _replay(job: ReplayJob) -> ReplayResult:
         tokens_per_chunk=setup.tokens_per_chunk,
         max_num_queued_tokens=caps,
     ) as fleet:
-        with _hooks(fleet):
-            origin = trio.current_time()
+        origin = trio.current_time()
+        with _hooks(fleet), _ledgered(fleet, _Ledger(origin, window)) as ledger:
             stop_at = float("inf")
             if forced_row is not None:
                 stop_at = origin + forced_row.arrival_s + job.budget_s
@@ -736,7 +841,7 @@ async def _replay(job: ReplayJob) -> ReplayResult:
                         for row in rows:
                             await trio.sleep_until(origin + row.arrival_s)
                             body = chat_body(config.serving.model, row, max_tokens=setup.max_tokens)
-                            probe = forced_probe if row is forced_row else None
+                            probe = probes[row.index]
                             nursery.start_soon(_send, fleet, row, body, origin, outcomes, probe)
                 sampler.sample()  # the state at the end
                 sampling.cancel_scope.cancel()
@@ -748,8 +853,13 @@ async def _replay(job: ReplayJob) -> ReplayResult:
                     for engine in fleet.engines.values()
                 )
         fleet.nursery.cancel_scope.cancel()
-    if caps:
-        outcomes = {index: _engine_busy(outcome) for index, outcome in outcomes.items()}
+    outcomes = {
+        index: attrs.evolve(
+            _engine_busy(outcome) if caps else outcome,
+            engine_work_s=probes[index].work_s if probes[index].ran else None,
+        )
+        for index, outcome in outcomes.items()
+    }
     forced_ttft: float | None = None
     would_refuse: bool | None = None
     if forced_row is not None:
@@ -766,6 +876,8 @@ async def _replay(job: ReplayJob) -> ReplayResult:
         forced_ttft_s=forced_ttft,
         forced_would_refuse=would_refuse,
         samples=sampler.as_json() if forced_row is None else None,
+        window=window,
+        steps=tuple(ledger.steps) if forced_row is None else (),
     )
 
 

@@ -6,18 +6,37 @@ and wakes the streams whose awaited output step has come. With nothing to do it 
 event, never on a timer, so ``MockClock(autojump_threshold=0)`` can jump. An engine used in a
 second Trio run forgets the requests of the first (their streams died with it) and starts a new
 task there.
+
+A :class:`StepLedger` set on the loop (:meth:`narwhal.sim.SimEngine.watch_steps`) is told of every
+request submitted and of every step when it has run (its start and its engine time), before its
+sequences advance: the benchmark's account of the engine time each request was given. Unset (the
+default) it costs one test per step and per request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
-from narwhal.sim.batching import Batcher, BatchSeq
+from narwhal.sim.batching import Batcher, BatchSeq, BatchStep
 from narwhal.sim.timing import StepTiming
 
-__all__ = ["StepLoop"]
+__all__ = ["StepLedger", "StepLoop"]
+
+
+class StepLedger(Protocol):
+    """What a step loop tells an observer of the engine time it spends (see the module doc)."""
+
+    def submitted(self, seq: BatchSeq) -> None:
+        """``seq`` joined the loop's queue (called in the submitting task)."""
+        ...
+
+    def stepped(self, step: BatchStep, start: float, duration_s: float) -> None:
+        """``step`` ran from Trio time ``start`` for ``duration_s`` seconds of engine time (its
+        cost, scale, jitter and slowdown); its sequences have not advanced yet."""
+        ...
 
 
 class StepLoop:
@@ -27,6 +46,7 @@ class StepLoop:
         timing: the step costs' scale and jitter.
         batcher: the scheduler state.
         pace: the slowdown in force, asked as each step starts (it multiplies the step's time).
+        ledger: told of every request and step (None: nobody is).
     """
 
     def __init__(
@@ -43,6 +63,7 @@ class StepLoop:
         else:
             self.batcher = Batcher(timing.profile, kv_capacity_tokens)
         self.pace = pace
+        self.ledger: StepLedger | None = None
         self._name = name
         self._run: trio.lowlevel.TrioToken | None = None
         self._wake: trio.Event | None = None
@@ -52,6 +73,8 @@ class StepLoop:
         """Queue a request for the batch (and start the loop if this run has none yet)."""
         self._attach()
         seq = self.batcher.submit(prompt_tokens, output_tokens)
+        if self.ledger is not None:
+            self.ledger.submitted(seq)
         if self._wake is not None:
             self._wake.set()
         return seq
@@ -98,7 +121,11 @@ class StepLoop:
                 self._wake = wake = trio.Event()
                 await wake.wait()
                 continue
-            await trio.sleep(self.timing.step_s(step.cost_ms, step.index) * self.pace())
+            duration = self.timing.step_s(step.cost_ms, step.index) * self.pace()
+            start = trio.current_time()
+            await trio.sleep(duration)
+            if self.ledger is not None:
+                self.ledger.stepped(step, start, duration)
             waiters = self._waiters
             for seq in batcher.complete(step):
                 waiter = waiters.get(seq.id)

@@ -164,7 +164,7 @@ from narwhal.sim._request import (
     parse_request,
     validation_error,
 )
-from narwhal.sim._steps import StepLoop
+from narwhal.sim._steps import StepLedger, StepLoop
 from narwhal.sim.timing import PROFILES, StepTiming, TimingModel
 
 __all__ = [
@@ -573,6 +573,15 @@ class SimEngine:
     def directives(self) -> Mapping[str, Any]:
         """The engine-wide directives (see :meth:`set_directives`)."""
         return dict(self._directives)
+
+    def watch_steps(self, ledger: StepLedger | None) -> bool:
+        """Tell ``ledger`` of every request the step loop takes and every step it runs (the
+        benchmark's account of engine time; None: stop). ``False``, and nothing set, for a
+        per-request timing model (no steps)."""
+        if self._steps is None:
+            return False
+        self._steps.ledger = ledger
+        return True
 
     def set_slowdown(self, factor: float) -> None:
         """Multiply simulated durations by ``factor`` from now on (1 restores the profile).

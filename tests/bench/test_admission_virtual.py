@@ -136,9 +136,18 @@ def test_capacity_is_what_a_saturated_closed_loop_completes_of_the_traces_mix() 
     assert capacity.warmup_s > 2.0 and capacity.window_s >= 4.0
     assert capacity.completed >= len(rows)
     assert capacity.completed_rps == capacity.completed / capacity.window_s
-    # Its request rate is that of the trace's own mix: its engine work over the trace's mean.
+    # Its request rate is that of the trace's own mix: its work by the cost model over the
+    # trace's mean.
     mean = SETUP.work().mean(rows)
-    assert capacity.rps == pytest.approx(capacity.engine_s_per_s / mean)
+    assert capacity.model_s_per_s is not None
+    assert capacity.rps == pytest.approx(capacity.model_s_per_s / mean)
+    # In engine time, from the step ledger: the two engines are busy all the time, but 96 in
+    # flight fill only 48 of each engine's 256 seats, and the empty seats' share of each decode
+    # step is charged to nobody (overhead), so much less than that is charged to requests.
+    assert capacity.engines == 2 and capacity.ceiling == 2.0
+    assert capacity.busy_s_per_s is not None
+    assert 1.95 < capacity.busy_s_per_s <= 2.0 + 1e-9
+    assert 0.3 * capacity.busy_s_per_s < capacity.engine_s_per_s < 0.8 * capacity.busy_s_per_s
     assert capacity.mix is not None and 0.8 < capacity.mix < 1.25
     assert capacity.mean_batch is not None and capacity.mean_batch > 20
     assert 0 < capacity.noise < 0.1  # its own relative standard error

@@ -1,0 +1,312 @@
+"""Engine goodput read from the simulator's step ledger: never more than the engines' time."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from narwhal.bench.goodput import (
+    Bar,
+    Capacity,
+    Outcome,
+    StepRecord,
+    Window,
+    Work,
+    charge_step,
+    evaluate,
+    ledger_rates,
+    replay_figures,
+    work_in_window,
+)
+from narwhal.bench.replay import ReplayJob, VirtualSetup, default_router, run_replay
+from narwhal.sim.batching import Batcher, BatchSeq, BatchStep
+from narwhal.sim.calibration import EngineType
+from narwhal.sim.engine import SimEngine
+from narwhal.sim.timing import StepTiming, profile
+from narwhal.sim.transport import SimTransport
+
+# Round numbers: a decode step of B sequences holding K context tokens costs 4 + B + K/100 ms;
+# a prefill chunk 0.01 ms a token; a prefill-only step 5 ms more. Two seats.
+COSTS = EngineType(
+    name="ledger-test",
+    prefill_base_ms=5.0,
+    prefill_per_token_ms=0.01,
+    prefill_quadratic_ms=1e-12,
+    decode_base_ms=4.0,
+    decode_per_seq_ms=1.0,
+    decode_per_kv_token_ms=0.01,
+    max_num_seqs=2,
+    max_num_batched_tokens=1000,
+    kv_capacity_tokens=100_000,
+)
+
+
+def _decoding(batcher: Batcher, *prompts: int) -> list[BatchSeq]:
+    """Sequences past their prefill (one output step each), decoding from the next step."""
+    seqs = [batcher.submit(prompt, 10) for prompt in prompts]
+    while any(seq.emitted == 0 for seq in seqs):
+        step = batcher.next_step()
+        assert step is not None
+        batcher.complete(step)
+    return seqs
+
+
+def _charges(step: BatchStep, duration_s: float) -> dict[int, float]:
+    return {seq.id: charge for seq, charge in charge_step(COSTS, step, duration_s)}
+
+
+def test_a_full_batch_charges_its_whole_step_to_its_sequences() -> None:
+    batcher = Batcher(COSTS)
+    first, second = _decoding(batcher, 100, 300)
+    step = batcher.next_step()
+    assert step is not None and len(step.decodes) == 2 and not step.chunks
+    # Contexts 101 and 301: the step costs 4 + 2 + 4.02 ms; each pays half the fixed cost, its
+    # seat and its own context.
+    assert step.cost_ms == pytest.approx(10.02)
+    charges = _charges(step, step.cost_ms / 1000)
+    assert charges[first.id] == pytest.approx((2.0 + 1.0 + 1.01) / 1000)
+    assert charges[second.id] == pytest.approx((2.0 + 1.0 + 3.01) / 1000)
+    assert sum(charges.values()) == pytest.approx(step.cost_ms / 1000)
+    # In the step's real time: an engine twice as slow (or a slowdown, or jitter) charges twice.
+    slow = _charges(step, 2 * step.cost_ms / 1000)
+    assert slow[first.id] == pytest.approx(2 * charges[first.id])
+
+
+def test_empty_seats_and_a_prefill_only_steps_fixed_cost_are_charged_to_nobody() -> None:
+    batcher = Batcher(COSTS)
+    prefill = batcher.next_step()
+    assert prefill is None
+    lone = batcher.submit(200, 10)
+    prefill = batcher.next_step()
+    assert prefill is not None and not prefill.decodes
+    # A prefill-only step: 5 ms fixed plus 2 ms of chunk; the request is charged its chunk.
+    assert prefill.cost_ms == pytest.approx(7.0, rel=1e-6)
+    charged = _charges(prefill, prefill.cost_ms / 1000)
+    assert charged[lone.id] == pytest.approx(0.002, rel=1e-6)
+    batcher.complete(prefill)
+    decode = batcher.next_step()
+    assert decode is not None and decode.decodes == (lone,)
+    # One seat of two: 4 + 1 + 2.01 ms; the request pays half the fixed cost, the empty seat's
+    # half is overhead.
+    charged = _charges(decode, decode.cost_ms / 1000)
+    assert charged[lone.id] == pytest.approx((2.0 + 1.0 + 2.01) / 1000)
+    assert charged[lone.id] < decode.cost_ms / 1000
+
+
+def test_a_step_never_charges_more_than_it_lasted() -> None:
+    # A cost model whose decode step is cheaper than its seats (not linear): cut to the step.
+    cheap = attrs.evolve(COSTS, decode_base_ms=4.0)
+    batcher = Batcher(cheap)
+    _decoding(batcher, 100, 100)
+    step = batcher.next_step()
+    assert step is not None
+    squeezed = attrs.evolve(step, cost_ms=step.cost_ms / 2)
+    charges = charge_step(cheap, squeezed, 0.003)
+    assert sum(charge for _, charge in charges) == pytest.approx(0.003)
+    assert charge_step(cheap, squeezed, 0.0) == [(seq, 0.0) for seq, _ in charges]
+
+
+def test_ledger_rates_count_a_step_across_the_edge_by_its_share_inside() -> None:
+    window = Window(1.0, 3.0)
+    steps = [StepRecord(0.5, 1.0, 0.8), StepRecord(1.5, 1.0, 1.0), StepRecord(2.5, 1.0, 0.4)]
+    busy, charged = ledger_rates(steps, window)
+    assert busy == pytest.approx((0.5 + 1.0 + 0.5) / 2)
+    assert charged == pytest.approx((0.4 + 1.0 + 0.2) / 2)
+    assert window.share(3.0, 0.0) == 1.0 and window.share(3.5, 0.0) == 0.0
+    assert ledger_rates(steps, Window(2.0, 2.0)) == (0.0, 0.0)
+
+
+def test_no_window_of_any_ledger_charges_more_than_the_engines_time() -> None:
+    # Random batches on two engines, each running its steps back to back: whatever the window,
+    # the charged time is at most the busy time, which is at most two engine-seconds a second.
+    rng = random.Random(7)
+    steps = []
+    for _engine in range(2):
+        batcher, now = Batcher(COSTS), 0.0
+        for _ in range(400):
+            if rng.random() < 0.3:
+                batcher.submit(rng.randrange(1, 3000), rng.randrange(1, 40))
+            step = batcher.next_step()
+            if step is None:
+                now += rng.random() * 0.01  # idle
+                continue
+            duration = step.cost_ms / 1000 * rng.uniform(0.5, 2.0)  # jitter, slowdowns
+            charged = sum(charge for _, charge in charge_step(COSTS, step, duration))
+            assert charged <= duration * (1 + 1e-12)
+            steps.append(StepRecord(now, duration, charged))
+            now += duration
+            batcher.complete(step)
+    for _ in range(200):
+        start = rng.uniform(0.0, 2.0)
+        window = Window(start, start + rng.uniform(0.001, 2.0))
+        busy, charged = ledger_rates(steps, window)
+        assert charged <= busy * (1 + 1e-9) and busy <= 2.0 * (1 + 1e-9)
+
+
+MODEL = "llama-3.1-8b-instruct"
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.seqs: list[BatchSeq] = []
+        self.steps: list[tuple[BatchStep, float, float]] = []
+
+    def submitted(self, seq: BatchSeq) -> None:
+        self.seqs.append(seq)
+
+    def stepped(self, step: BatchStep, start: float, duration_s: float) -> None:
+        assert all(seq.emitted < seq.steps for seq in step.decodes)  # not advanced yet
+        self.steps.append((step, start, duration_s))
+
+
+async def _stream(engine: SimEngine, prompt: int, output: int) -> list[float]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "narwhal_sim": {"prompt_tokens": prompt, "output_tokens": output},
+    }
+    times = []
+    async with (
+        httpx.AsyncClient(transport=SimTransport(engine), base_url="http://sim") as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        async for _ in response.aiter_raw():
+            times.append(trio.current_time())
+    return times
+
+
+async def test_the_engines_step_ledger_sees_every_step_and_changes_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    timing = profile("h100-llama3-8b")
+    assert isinstance(timing, StepTiming)
+    with trio.fail_after(60):
+        plain = SimEngine(MODEL, timing=timing)
+        start = trio.current_time()
+        unwatched = [t - start for t in await _stream(plain, 500, 20)]
+        watched_engine = SimEngine(MODEL, timing=timing)
+        recorder = _Recorder()
+        assert watched_engine.watch_steps(recorder)
+        start = trio.current_time()
+        watched = [t - start for t in await _stream(watched_engine, 500, 20)]
+    assert watched == pytest.approx(unwatched, abs=1e-12)  # no change in behaviour
+    assert [seq.prompt_tokens for seq in recorder.seqs] == [500]
+    # One prefill step and 19 decode steps, back to back from the request's start: the engine
+    # was busy exactly until its last token.
+    assert len(recorder.steps) == 20
+    assert sum(duration for _, _, duration in recorder.steps) == pytest.approx(watched[-1])
+    assert recorder.steps[0][1] == pytest.approx(start)
+    # Unset, nobody is told; a per-request timing model has no steps to tell of.
+    assert watched_engine.watch_steps(None)
+    assert not SimEngine(MODEL, timing=profile("zero")).watch_steps(recorder)
+
+
+def _outcome(index: int, at: float, work: float | None, *, ttft: float = 0.5) -> Outcome:
+    return Outcome(index, at, 100, 11, 200, None, ttft, at + ttft + 1.0, engine_work_s=work)
+
+
+def test_a_perfect_policy_reads_at_most_the_engines_count() -> None:
+    # Two engines busy the whole 10 s window, every second of it charged to requests in budget:
+    # goodput is exactly the bound (100 %), and the bound check passes at exactly 100 %.
+    outcomes = [_outcome(i, float(i), 2.0) for i in range(11)]
+    steps = [StepRecord(t / 10, 0.1, 0.1) for t in range(100) for _ in range(2)]
+    capacity = Capacity(rps=1.0, engine_s_per_s=1.99, engines=2, noise=0.05)
+    figures = replay_figures(
+        outcomes,
+        load=3.0,
+        mode="predictive",
+        budget_s=2.0,
+        offered_rps=3.0,
+        capacity=capacity,
+        work=COSTS,
+        warmup_fraction=0.0,
+        steps=steps,
+    )
+    assert figures.window == Window(0.0, 10.0)
+    assert figures.goodput_engine == pytest.approx(2.2)  # 11 x 2 s over 10 s: hand-made
+    assert figures.bound_engine == 2.0  # the engines' count, not the measured 1.99
+    assert figures.busy_engine == pytest.approx(2.0) and figures.work_engine == pytest.approx(2.0)
+    assert figures.capacity_noise == 0.0  # an exact count has no noise to allow for
+    # Outcomes charged more than the engines ran (as the old estimate could) fail the check,
+    # with no allowance: the bound of the engines' count is exact.
+    checks = {c.name: c for c in evaluate([figures], Bar(goodput_loads=()))}
+    check = checks["goodput within the bound (engine work) at 3x predictive"]
+    assert (check.passed, check.target) == (False, "<= 100.0 %")
+    honest = attrs.evolve(figures, goodput_engine=2.0)
+    checks = {c.name: c for c in evaluate([honest], Bar(goodput_loads=()))}
+    check = checks["goodput within the bound (engine work) at 3x predictive"]
+    assert (check.passed, check.measured) == (True, "100.0 %")
+
+
+def test_a_request_that_never_ran_is_weighed_by_its_cost() -> None:
+    refused = Outcome(3, 3.0, 100, 11, 429, "ttft_budget_exceeded", None, None)
+    outcomes = [_outcome(i, float(i), 0.05) for i in range(3)] + [refused]
+    figures = replay_figures(
+        outcomes,
+        load=0.5,
+        mode="predictive",
+        budget_s=2.0,
+        offered_rps=1.0,
+        capacity=Capacity(rps=4.0, engine_s_per_s=1.0, engines=1),
+        work=COSTS,
+        warmup_fraction=0.0,
+    )
+    cost = Work.of(COSTS).seconds(100, 11)  # whole, at its arrival
+    assert figures.goodput_engine == pytest.approx(0.15 / 3)
+    assert figures.bound_engine == pytest.approx((0.15 + cost) / 3)
+    assert figures.estimated == 1
+    assert figures.busy_engine is None  # no steps given
+
+
+OVERLOAD = VirtualSetup(default_router(), duration_s=120.0)
+CAPACITY_RPS = 41.75  # what `narwhal bench admission --quick` measured for these engines
+
+
+@pytest.fixture(scope="module")
+def overload() -> object:
+    return run_replay(ReplayJob(OVERLOAD, "predictive", 3 * CAPACITY_RPS, 2.0))
+
+
+def test_at_overload_the_ledger_stays_under_the_engines_where_the_old_estimate_did_not(
+    overload: object,
+) -> None:
+    result = overload
+    window = result.window  # type: ignore[attr-defined]
+    outcomes = result.outcomes  # type: ignore[attr-defined]
+    steps = result.steps  # type: ignore[attr-defined]
+    assert window is not None and window.length_s > 2.0
+    # Every request that reached an engine has its account; the refused have none.
+    assert all(o.engine_work_s is not None for o in outcomes if o.completed)
+    assert all(o.engine_work_s is None for o in outcomes if o.refused)
+    good = [o for o in outcomes if o.completed and o.in_budget(2.0)]
+    busy, charged = ledger_rates(steps, window)
+    charged_to_requests = sum(o.engine_work_s or 0.0 for o in outcomes) / window.length_s
+    assert charged_to_requests == pytest.approx(charged)  # every charge has its request
+    goodput = sum(o.engine_work_s for o in good) / window.length_s
+    assert goodput <= charged * (1 + 1e-12) and charged <= busy <= 2.0 * (1 + 1e-12)
+    assert busy > 1.99  # saturated
+    # The cost model spread evenly over each request's life (the old reading) puts work done
+    # at the window's edges inside it: on this short window it read more than two engines can
+    # do, so a policy "beat" the bound; the ledger cannot.
+    old = work_in_window(OVERLOAD.work(), good, window) / window.length_s
+    assert old > 2.0 * 1.1
+    figures = replay_figures(
+        outcomes,
+        load=3.0,
+        mode="predictive",
+        budget_s=2.0,
+        offered_rps=3 * CAPACITY_RPS,
+        capacity=Capacity(rps=CAPACITY_RPS, engine_s_per_s=2.0, engines=2),
+        work=OVERLOAD.work(),
+        window=window,
+        steps=steps,
+    )
+    assert figures.goodput_engine == pytest.approx(goodput)
+    assert figures.goodput_engine_ratio is not None and figures.goodput_engine_ratio <= 1.0
+    assert figures.busy_engine == pytest.approx(busy)
