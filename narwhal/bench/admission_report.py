@@ -174,15 +174,17 @@ def render_report(report: AdmissionReport) -> list[str]:
     ]
     if capacity.measured:
         lines.append(
-            f"capacity: {capacity.engine_s_per_s:.3f} engine-s/s, {capacity.rps:.2f} req/s of "
-            f"the trace's mix (closed loop of {capacity.concurrency} through the router, open, "
-            f"limits lifted, the trace's rows in a seeded shuffled cycle; "
-            f"{capacity.completed} completions in {capacity.window_s:.0f} s after "
-            f"{capacity.warmup_s:.0f} s of warm-up, {_rate(capacity.completed_rps)} req/s, "
-            f"mix {_number(capacity.mix, 2)} of the trace's mean engine time; mean batch "
-            f"{_number(capacity.mean_batch)} per engine; engine work: each request's true cost "
-            f"averaged over the pool's engines, the work done inside the window; noise "
-            f"{_pct(capacity.noise)}, the relative standard error over six parts of the window)"
+            f"capacity: {capacity.ceiling:g} engine-s/s in engine time (the engines' count: "
+            f"the engine-time bound), {capacity.rps:.2f} req/s of the trace's mix (the load "
+            f"axis). Closed loop of {capacity.concurrency} through the router, open, limits "
+            f"lifted, the trace's rows in a seeded shuffled cycle: {capacity.completed} "
+            f"completions in {capacity.window_s:.0f} s after {capacity.warmup_s:.0f} s of "
+            f"warm-up, {_rate(capacity.completed_rps)} req/s, mix {_number(capacity.mix, 2)} of "
+            f"the trace's mean work; mean batch {_number(capacity.mean_batch)} per engine; the "
+            f"simulator's step ledger: engines busy {_number(capacity.busy_s_per_s, 3)} "
+            f"engine-s/s, {capacity.engine_s_per_s:.3f} of it charged to requests at full-batch "
+            f"cost, noise {_pct(capacity.noise)} (relative standard error over six parts of the "
+            f"window); req/s: the cost model's work rate over the trace's mean request."
         )
         if capacity.phases:
             lines.append(
@@ -190,14 +192,15 @@ def render_report(report: AdmissionReport) -> list[str]:
                 "states (one closed loop per state, its slowdowns in force from the start): "
                 + "; ".join(
                     f"{' + '.join(phase.slowdowns) or 'no slowdown'}: "
-                    f"{phase.engine_s_per_s:.3f} engine-s/s for {_pct(phase.share)} of the window"
+                    f"{phase.rps:.2f} req/s, {phase.engine_s_per_s:.3f} engine-s/s charged, "
+                    f"for {_pct(phase.share)} of the window"
                     for phase in capacity.phases
                 )
             )
     else:
         lines.append(
-            f"capacity: {capacity.rps:.2f} req/s, {capacity.engine_s_per_s:.3f} engine-s/s "
-            "(given, not measured)"
+            f"capacity: {capacity.rps:.2f} req/s, {capacity.ceiling:g} engine-s/s in engine "
+            "time (given, not measured)"
         )
     descriptions = settings.get("mode_descriptions") or {}
     baselines = settings.get("baselines") or {}
@@ -211,7 +214,9 @@ def render_report(report: AdmissionReport) -> list[str]:
     lines += ["", *render_runs(report.runs), ""]
     lines += [
         "admit: admitted / offered; in-bgt: admitted with TTFT <= budget / admitted; eng: "
-        "goodput / bound in engine work (the headline); goodput: in-budget completions per "
+        "goodput / bound in engine time (the headline: the engine time the simulator's step "
+        "ledger charged, inside the window, to requests completed in budget, over min(offered, "
+        "the engines' count); it cannot pass 100 %); goodput: in-budget completions per "
         "second over the window; bound: min(offered, capacity) in requests per second, of the "
         "attainable requests; req: goodput / bound in requests; p50, p99: TTFT of admitted "
         "requests; refused: 429 ttft_budget_exceeded + prompt_exceeds_ttft_budget; 429cap: "

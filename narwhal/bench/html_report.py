@@ -287,8 +287,12 @@ def _settings(report: Mapping[str, Any]) -> str:
     ]
     capacity = _map(report.get("capacity"))
     if capacity:
+        ceiling = capacity.get("ceiling", capacity.get("engine_s_per_s"))
+        busy = capacity.get("busy_s_per_s")
+        ledger = "" if _num(busy) is None else f", busy {_fmt(busy, 3)}"
         rows.append(
-            f"<tr><th>capacity</th><td>{_fmt(capacity.get('engine_s_per_s'), 3)} engine-s/s, "
+            f"<tr><th>capacity</th><td>{_fmt(ceiling, 3)} engine-s/s (the engines' count"
+            f"{ledger}, {_fmt(capacity.get('engine_s_per_s'), 3)} charged saturated), "
             f"{_fmt(capacity.get('rps'))} req/s, noise {_pct(capacity.get('noise'))}"
             f"{'' if capacity.get('measured', True) else ' (given)'}</td></tr>"
         )
@@ -442,9 +446,11 @@ def _goodput_plot(report: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) 
     _load_axis(right, loads)
     _legend(right, fontsize="small")
     return _image(figure, "goodput in engine work against load") + (
-        "<p>Goodput: the engine work of the requests completed inside the TTFT budget, per "
-        "second of the measurement window; the bound is min(offered, capacity) of the "
-        "attainable requests, in the same unit.</p>"
+        "<p>Goodput: the engine time the simulator's step ledger charged to the requests "
+        "completed inside the TTFT budget, per second of the measurement window; the bound is "
+        "min(offered, capacity) of the attainable requests in the same unit, the capacity being "
+        "the engines' count (an engine is busy at most all the time), so goodput cannot pass "
+        "it.</p>"
     )
 
 

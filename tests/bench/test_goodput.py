@@ -422,7 +422,7 @@ def test_report_verdict_is_incomplete_while_a_target_is_unchecked() -> None:
     assert incomplete.verdict == "INCOMPLETE" and not incomplete.passed
     text = incomplete.render()
     assert "verdict: INCOMPLETE (" in text and " not run of " in text
-    assert "NOT RUN" in text and "mix 1.00 of the trace's mean engine time" in text
+    assert "NOT RUN" in text and "mix 1.00 of the trace's mean work" in text
     data = incomplete.as_json()
     assert data["verdict"] == "INCOMPLETE" and data["passed"] is False
     assert "goodput / bound (engine work) at 0.5x" in data["not_run"]
