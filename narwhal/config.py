@@ -77,6 +77,11 @@ def _bind(instance: object, attribute: attrs.Attribute[Any], value: str) -> None
     check_bind(value)
 
 
+def _optional_bind(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value:
+        check_bind(value)
+
+
 def _profile(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     from narwhal.scheduling.profiles import PROFILES
 
@@ -140,6 +145,9 @@ class ServingConfig:
     header_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     # The longest a client may take to send a whole request body (408 after).
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    # HOST:PORT of the probe listener (narwhal.web.probes): /health and /ready answered from
+    # their own thread, whatever the event loop is doing. Empty: none.
+    probe_bind: str = attrs.field(default="", validator=_optional_bind)
 
 
 @attrs.frozen
@@ -222,6 +230,11 @@ class MonitoringConfig:
     breaker_open_s: float = attrs.field(default=5.0, validator=_positive)
     stale_after_s: float = attrs.field(default=5.0, validator=_positive)
     max_loop_lag_s: float = attrs.field(default=0.25, validator=_positive)
+    # The watchdog (narwhal.control.watchdog): how long the loop lag must stay over
+    # max_loop_lag_s before the router is monitoring-degraded, and how long everything must
+    # look right again before it recovers.
+    lag_sustain_s: float = attrs.field(default=1.0, validator=_positive)
+    recover_after_s: float = attrs.field(default=2.0, validator=_positive)
     # Probe engines before they join, and again when they drift (narwhal.upstream.profiling).
     profiling: bool = True
 

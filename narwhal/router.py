@@ -26,6 +26,7 @@ from narwhal.config import Config, ConfigError
 from narwhal.control.lease import Lease, open_lease
 from narwhal.control.maintenance import Maintenance
 from narwhal.control.state import ControlState, RouterState
+from narwhal.control.watchdog import Watchdog
 from narwhal.errors import Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics
 from narwhal.scheduling.forecast import PrefillForecast
@@ -159,6 +160,8 @@ class Router:
         self.margin = SafetyMargin()
         # The conditions that decide the router's state (narwhal.control.state).
         self.control = ControlState()
+        # The watchdog (narwhal.control.watchdog): the one part that sets monitoring-degraded.
+        self.watchdog = Watchdog.for_config(config.monitoring)
         self.queue.control = self.control  # a fenced or standby router places nothing
         # The lease (narwhal.control.lease): the one part that sets the lease condition.
         self.lease: Lease = open_lease(
@@ -258,6 +261,10 @@ class Router:
 
         for engine in self.pool:
             nursery.start_soon(HealthPoller.for_engine(engine, self.config).run)
+        await nursery.start(self.watchdog.run, self.control, self._poll_views)
+
+    def _poll_views(self) -> list[EngineStatistics]:
+        return [engine.statistics() for engine in self.pool]
 
     def _fence(self, token: int) -> None:
         """The lease's fencing token goes to the engines with every request from now on."""

@@ -68,6 +68,8 @@ class RawEngine:
                 await stream.send_all(answer(b""))
             elif target == b"/v1/models":
                 await stream.send_all(answer(orjson.dumps({"data": [{"id": MODEL}]})))
+            elif target == b"/metrics":  # no queue gauges: not asked again
+                await stream.send_all(answer(b"", b"text/plain"))
             else:
                 self.completions += 1
                 await stream.send_all(self.completion)

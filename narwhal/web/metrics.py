@@ -19,6 +19,7 @@ from narwhal.admission.observer import Decision, Served
 
 if TYPE_CHECKING:
     from narwhal.router import Router
+    from narwhal.scheduling.engines import EngineStatistics
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -95,6 +96,53 @@ class _RouterCollector(Collector):
         )
         factor.add_metric([], self._router.margin.factor)
         yield factor
+        yield from _monitoring(self._router, stats.engines)
+
+
+def _monitoring(router: Router, engines: tuple[EngineStatistics, ...]) -> Iterator[Metric]:
+    """The watchdog's view (narwhal.control.watchdog): loop lag, degraded, poll ages."""
+    watchdog = router.watchdog.statistics()
+    lag = GaugeMetricFamily(
+        "narwhal_loop_lag_seconds", "How late the watchdog's last check woke (event-loop lag)"
+    )
+    lag.add_metric([], watchdog.loop_lag_s)
+    yield lag
+    worst = GaugeMetricFamily(
+        "narwhal_loop_lag_max_seconds", "The largest event-loop lag seen since the start"
+    )
+    worst.add_metric([], watchdog.worst_loop_lag_s)
+    yield worst
+    degraded = GaugeMetricFamily(
+        "narwhal_monitoring_degraded", "1 while the watchdog holds the router monitoring-degraded"
+    )
+    degraded.add_metric([], int(watchdog.degraded))
+    yield degraded
+    times = CounterMetricFamily(
+        "narwhal_monitoring_degraded_entered", "Times the router became monitoring-degraded"
+    )
+    times.add_metric([], watchdog.times_degraded)
+    yield times
+    ages = GaugeMetricFamily(
+        "narwhal_engine_poll_age_seconds",
+        "Age of the last good health or metrics poll per engine",
+        labels=["engine", "poll"],
+    )
+    reported = GaugeMetricFamily(
+        "narwhal_engine_reported",
+        "The engine's own gauges at its last good metrics poll",
+        labels=["engine", "gauge"],
+    )
+    for engine in engines:
+        if engine.health_age_s is not None:
+            ages.add_metric([engine.name, "health"], engine.health_age_s)
+        if engine.metrics_age_s is not None:
+            ages.add_metric([engine.name, "metrics"], engine.metrics_age_s)
+        if engine.metrics is not None:
+            for gauge, value in engine.metrics.as_json().items():
+                if value is not None:
+                    reported.add_metric([engine.name, gauge], value)
+    yield ages
+    yield reported
 
 
 class Metrics:
