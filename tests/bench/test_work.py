@@ -95,5 +95,9 @@ def test_the_capacity_loop_runs_with_its_slowdowns_in_force() -> None:
     )
     base = measure_capacity(job)
     after = measure_capacity(attrs.evolve(job, setup=slowed))
-    # One engine of two at half speed: between half and all of the work per second.
-    assert 0.6 * base.engine_s_per_s < after.engine_s_per_s < 0.9 * base.engine_s_per_s
+    # One engine of two at half speed: between half and all of the requests per second (the
+    # load axis, by the cost model).
+    assert 0.6 * base.rps < after.rps < 0.9 * base.rps
+    # In engine time the slowed engine is still an engine, busy all the time: the ledger
+    # charges its requests the longer time they take.
+    assert after.busy_s_per_s is not None and after.busy_s_per_s > 1.95
