@@ -26,7 +26,9 @@ at the same rate to within the margin, and the event loop is not stalled for lon
 
 A standby keeps its own lease alive the same way, and watches the key between renewals, so it
 takes over as soon as the key is gone: at once when the leader releases it (a graceful shutdown
-revokes the lease), within the TTL when the leader disappeared.
+revokes the lease), within the TTL when the leader disappeared. The leader watches the key too:
+if it is deleted under it (its lease revoked by hand, outside the clock's guarantee), the leader
+looks again at once and stops placing, rather than at its next renewal.
 
 .. code-block:: text
 
@@ -322,10 +324,12 @@ class LeaseKeeper:
         if lease is not None and leader.lease_id == lease.id:
             if trio.current_time() < lease.valid_until:
                 self._activate(leader)
-            await self._wait(sent + self.renew_s)
+            # Watching its own key too: a leader whose key is deleted under it (its lease
+            # revoked by hand) learns it at once, not at its next renewal.
+            await self._wait(sent + self.renew_s, leader)
             return
         self._step_down(f"router_standby: the leader is {leader.value or 'another router'}")
-        await self._watch(leader)
+        await self._wait(sent + self.renew_s, leader)
 
     def _deadline(self, sent: float) -> float:
         """The bound of a look started at ``sent``: the end of the lease while active."""
@@ -357,25 +361,23 @@ class LeaseKeeper:
         if self._holding and self._bound is not None and self._lease is not None:
             self._bound.deadline = self._lease.valid_until
 
-    async def _wait(self, until: float) -> None:
-        """Sleep until ``until``; while active, fence if the lease runs out first."""
-        if self._holding and self._lease is not None:
-            end = self._lease.valid_until
-            await trio.sleep_until(min(until, end))
-            if trio.current_time() >= end:
-                self._fence("router_fenced: the lease was not renewed in time")
-        else:
-            await trio.sleep_until(until)
-
-    async def _watch(self, leader: Leader) -> None:
-        """Standby: wait for the key to change, at most until our own lease needs renewing."""
-        with trio.move_on_after(self.renew_s):
-            try:
-                await self._store.watch(leader)
-            except LeaseStoreError as exc:
-                self._failures += 1
-                log.debug("lease: the watch failed: %s", exc)
-                await trio.sleep(self.retry_s)
+    async def _wait(self, until: float, leader: Leader | None = None) -> None:
+        """Wait until ``until``, or until the leader key changes after what ``leader`` saw
+        (the next look then comes at once); while active, fence if the lease runs out first."""
+        holding = self._holding and self._lease is not None
+        end = min(until, self._lease.valid_until) if self._lease is not None and holding else until
+        with trio.move_on_at(end):
+            if leader is not None:
+                try:
+                    await self._store.watch(leader)
+                    return
+                except LeaseStoreError as exc:
+                    self._failures += 1
+                    log.debug("lease: the watch failed: %s", exc)
+            await trio.sleep_forever()
+        lease = self._lease
+        if holding and lease is not None and trio.current_time() >= lease.valid_until:
+            self._fence("router_fenced: the lease was not renewed in time")
 
     # -- the condition -------------------------------------------------------------------------
 

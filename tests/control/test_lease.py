@@ -285,3 +285,24 @@ async def test_store_down_at_start_stays_standby(
     assert b.at("active") == [approx(TTL)]
     assert store.key is not None and store.key.value == "router-b"
     _never_both_active(a, b)
+
+
+async def test_a_lease_revoked_under_the_leader_fences_it_at_its_next_renewal(
+    pair: Any, autojump_clock: trio.testing.MockClock
+) -> None:
+    store = pair.store
+    with trio.fail_after(60):
+        a = await pair("router-a")
+        await until(lambda: a.control.state == "active")
+        b = await pair("router-b")
+        await trio.sleep(1.5)
+        assert store.key is not None
+        store.revoke(store.key.lease_id)  # an operator's `etcdctl lease revoke`
+        await until(lambda: a.control.state == "standby")
+    # Both watches saw the key go at 1.501: A found its lease gone, fenced and, the key being
+    # B's, stood by, in the instant B took the key. (Outside the clock's guarantee: only the
+    # token, larger for B, tells a late request of A's from B's.)
+    assert b.at("active") == [approx(1.501)]
+    assert a.history()[1:] == [(approx(1.501), "fenced"), (approx(1.501), "standby")]
+    assert a.keeper.statistics().fences == 1
+    assert b.tokens[0] > a.tokens[0]
