@@ -39,6 +39,7 @@ from narwhal.config import Config
 from narwhal.router import Router
 from narwhal.web.app import create_app, get_router
 from narwhal.web.http11 import Connections
+from narwhal.web.probes import probe_listener, ready_answer
 
 __all__ = ["CUT_GRACE_S", "Shutdown", "hypercorn_config", "serve"]
 
@@ -154,13 +155,17 @@ async def serve(
     shutdown = Shutdown()
     say = _console if handle_signals else log.info
     try:
-        async with trio.open_nursery() as watchers:
-            if handle_signals:
-                await watchers.start(_signals, shutdown, say)
-            if shutdown_trigger is not None:
-                watchers.start_soon(_trigger, shutdown_trigger, shutdown)
-            await _serve(app, config, bind or config.serving.bind, shutdown, say, task_status)
-            watchers.cancel_scope.cancel()
+        # serving.probe_bind: /health and /ready from their own thread (narwhal.web.probes).
+        with probe_listener(config) as probes:
+            async with trio.open_nursery() as watchers:
+                if probes is not None:
+                    watchers.start_soon(probes.publish, partial(ready_answer, router))
+                if handle_signals:
+                    await watchers.start(_signals, shutdown, say)
+                if shutdown_trigger is not None:
+                    watchers.start_soon(_trigger, shutdown_trigger, shutdown)
+                await _serve(app, config, bind or config.serving.bind, shutdown, say, task_status)
+                watchers.cancel_scope.cancel()
     finally:
         # A cancelled serve skips the lifespan shutdown: close the engine connections here
         # too (closing twice is harmless).
