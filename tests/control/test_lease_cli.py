@@ -100,9 +100,9 @@ async def test_the_guides_pair_fails_over_when_the_active_router_is_killed(
             router_b = stack.enter_context(_process(serve_b, tmp_path / f"{port_b}.log"))
             await _until_state(client, port_b, "standby", tmp_path)
             with trio.fail_after(30):
-                while True:  # at first: "looking for the leader"
-                    ready = await _ready(client, port_b)
-                    if "the leader is" in ready["reason"]:
+                while True:  # at first: "looking for the leader", engine joining
+                    ready = await _ready(client, port_b)  # warm: its engine joined
+                    if "the leader is" in ready["reason"] and ready["engines"][0]["eligible"]:
                         break
                     await trio.sleep(0.01)
             assert ready["reason"].endswith(f"(127.0.0.1:{port_a})")
