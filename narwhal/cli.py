@@ -65,6 +65,7 @@ def _usage() -> str:
         "  bench admission ...       goodput and TTFT of replayed traces, predictive vs open\n"
         "  bench projection ...      the CPU cost of one TTFT projection on a loaded pool\n"
         "  bench report RUN.json ... an admission run as one HTML page with PNG plots\n"
+        "  bench probes ...          /health and /ready latency, main and probe port, under load\n"
         "  check-config FILE         validate a configuration and print the effective values\n\n"
         "`narwhal COMMAND --help` lists a command's options."
     )

@@ -286,7 +286,7 @@ def test_version_and_help_list_every_command(capsys: pytest.CaptureFixture[str])
     usage = capsys.readouterr().out
     assert "--version" in usage
     bench_commands = bench_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    assert set(bench_commands) == {"overhead", "admission", "projection", "report"}
+    assert set(bench_commands) == {"overhead", "admission", "projection", "report", "probes"}
     for name in bench_commands:
         assert f"bench {name} " in usage
 

@@ -133,7 +133,71 @@ def _parser() -> argparse.ArgumentParser:
         help="the HTML file (default: the first RUN.json with the suffix .html)",
     )
     report.set_defaults(run=_run_report)
+    probes = commands.add_parser(
+        "probes",
+        help="/health and /ready latency on the main and the probe port while load saturates",
+        description=(
+            "Start a zero-delay simulated engine and Narwhal with serving.probe_bind, sample "
+            "/health and /ready on both ports (a new connection each, as a kubelet does), "
+            "idle and then while a closed loop of streaming chat completions saturates the "
+            "router. Prints p50, p99 and max latency per probe and phase; the bar is every "
+            "probe-port answer under load within 100 ms. All processes share this machine's "
+            "CPU cores."
+        ),
+    )
+    _probes_arguments(probes)
+    probes.set_defaults(run=_run_probes)
     return parser
+
+
+def _probes_arguments(parser: argparse.ArgumentParser) -> None:
+    from narwhal.bench.probes import ProbeSettings
+
+    defaults = ProbeSettings()
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--concurrency", type=int, default=defaults.concurrency, metavar="N")
+    parser.add_argument("--output-tokens", type=int, default=defaults.output_tokens, metavar="N")
+    parser.add_argument(
+        "--duration", type=float, default=defaults.load_s, metavar="S", help="sampled under load"
+    )
+    parser.add_argument("--quick", action="store_true", help="a short run (8 s under load)")
+    parser.add_argument("--log-dir", type=Path, metavar="DIR", help="keep the processes' logs")
+    parser.add_argument("--output", type=Path, metavar="FILE", help="also write JSON to FILE")
+
+
+def _run_probes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from narwhal.bench.probes import ProbeSettings, run_probes
+
+    settings = ProbeSettings(
+        model=args.model,
+        concurrency=args.concurrency,
+        output_tokens=args.output_tokens,
+        load_s=8.0 if args.quick else args.duration,
+        idle_s=2.0 if args.quick else ProbeSettings().idle_s,
+        log_dir=args.log_dir,
+    )
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        with _terminate_as_interrupt():
+            report = run_probes(settings, echo=progress)
+    except ServiceError as exc:
+        print(f"narwhal bench probes: {exc}", file=sys.stderr)
+        return 2
+    except BaseException as exc:
+        if not _is_interrupt(exc):
+            raise
+        print("narwhal bench probes: interrupted; its processes are stopped", file=sys.stderr)
+        return 130
+    print(report.render())
+    if args.output is not None:
+        args.output.write_bytes(
+            orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        )
+        print(f"\nJSON report written to {args.output}")
+    return 0 if report.passed else 1
 
 
 def _run_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
