@@ -280,21 +280,26 @@ def test_false_refusals_are_not_checked_on_fewer_than_50_samples() -> None:
 
 def test_predictive_must_beat_every_baseline_at_every_load() -> None:
     runs = [
-        figures(1.0, "predictive", goodput_engine=0.9, in_budget=19),
-        figures(1.0, "queue-cap", goodput_engine=0.8, in_budget=19),  # a tie in share: beaten
-        figures(1.0, "engine-cap", goodput_engine=0.95, in_budget=15),
+        figures(1.0, "predictive", goodput_engine=0.9, bound_engine=1.0, in_budget=19),
+        # a tie in share: beaten
+        figures(1.0, "queue-cap", goodput_engine=0.8, bound_engine=1.0, in_budget=19),
+        figures(1.0, "engine-cap", goodput_engine=0.95, bound_engine=1.0, in_budget=15),
     ]
     checks = {c.name: c for c in evaluate(runs, Bar(goodput_loads=(1.0, 2.0)))}
-    queue = checks["goodput in budget (engine work) at 1x: predictive vs queue-cap"]
-    assert (queue.verdict, queue.measured, queue.target) == ("PASS", "0.900/s", ">= 0.800/s")
+    queue = checks["goodput / bound (engine work) at 1x: predictive vs queue-cap"]
+    assert (queue.verdict, queue.measured, queue.target) == ("PASS", "90.0 %", ">= 80.0 %")
     assert checks["in-budget share at 1x: predictive vs queue-cap"].verdict == "PASS"
-    engine = checks["goodput in budget (engine work) at 1x: predictive vs engine-cap"]
-    assert engine.verdict == "FAIL" and engine.note == "engine-cap 0.950/s"
+    engine = checks["goodput / bound (engine work) at 1x: predictive vs engine-cap"]
+    assert engine.verdict == "FAIL" and engine.note == "engine-cap 95.0 %"
     share = checks["in-budget share at 1x: predictive vs engine-cap"]
     assert (share.verdict, share.measured, share.target) == ("PASS", "95.0 %", ">= 75.0 %")
     # A load (or a baseline) not run is not run.
-    missing = checks["goodput in budget (engine work) at 2x: predictive vs queue-cap"]
+    missing = checks["goodput / bound (engine work) at 2x: predictive vs queue-cap"]
     assert missing.verdict == "NOT RUN" and missing.note == "queue-cap not run"
+    # Each over its own bound: the same goodput against a larger offered load is less.
+    offered_more = attrs.evolve(runs[1], goodput_engine=0.9, bound_engine=1.2)
+    checks = {c.name: c for c in evaluate([runs[0], offered_more], Bar(goodput_loads=(1.0,)))}
+    assert checks["goodput / bound (engine work) at 1x: predictive vs queue-cap"].passed
 
 
 def test_an_easy_placement_prediction_does_not_pass_a_poor_projection() -> None:
