@@ -19,6 +19,20 @@ def waits(*, prior: float = 2.0, min_samples: int = 32, window: int = 512) -> Wa
     return WaitFactors(prior, tuple(ratios() for _ in WAIT_BANDS), ratios())
 
 
+def cautious(
+    *, prior: float = 2.0, min_samples: int = 32, window: int = 512, **kw: object
+) -> SafetyMargin:
+    """A margin whose compute waits, seat waits (prior 2) and every wait together learn as
+    ``waits`` of these."""
+    every = Ratios(prior=prior, least=0.0, min_samples=min_samples, window=window)
+    return SafetyMargin(
+        waits=waits(prior=prior, min_samples=min_samples, window=window),
+        seats=waits(prior=2.0, min_samples=min_samples, window=window),
+        every=every,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 def _waited(margin: SafetyMargin, predicted_wait: float, observed_wait: float) -> None:
     """A request that waited: 10 ms in the router, 0.1 s of own prefill, as predicted."""
     fixed, own = 0.01, 0.1
@@ -35,7 +49,7 @@ def test_until_enough_requests_taught_it_the_factor_is_the_prior() -> None:
 
 
 def test_the_wait_factor_is_the_99th_percentile_of_observed_over_predicted_wait() -> None:
-    margin = SafetyMargin(waits=waits(prior=2.0, window=100))
+    margin = cautious(prior=2.0, window=100)
     for number in range(100):
         _waited(margin, 1.0, 1.0 + number / 50)  # ratios 1.00 .. 2.98
     assert margin.factor == pytest.approx(2.98)
@@ -47,7 +61,7 @@ def test_the_wait_factor_is_the_99th_percentile_of_observed_over_predicted_wait(
 
 
 def test_the_parts_that_do_not_wait_are_taken_out_of_the_observed_wait() -> None:
-    margin = SafetyMargin(waits=waits(prior=2.0, min_samples=1))
+    margin = cautious(prior=2.0, min_samples=1)
     # 0.5 s predicted wait, 0.3 s own prefill, 0.2 s in the router: observed 1.5 s, so the
     # wait was 1.0 s, twice the prediction.
     margin.observe(0.2, 0.5, 0.3, 1.5, budget_s=BUDGET)
@@ -56,7 +70,7 @@ def test_the_parts_that_do_not_wait_are_taken_out_of_the_observed_wait() -> None
 
 
 def test_short_waits_do_not_teach_the_wait_factor() -> None:
-    margin = SafetyMargin(waits=waits(prior=2.0, min_samples=1))
+    margin = cautious(prior=2.0, min_samples=1)
     _waited(margin, 0.04, 0.08)  # under 5 % of the budget
     assert margin.wait.samples == 0 and margin.factor == 2.0
 
@@ -78,7 +92,7 @@ def test_a_wait_as_long_as_the_prefill_teaches_neither_the_own_factor() -> None:
 
 
 def test_waits_shorter_than_predicted_lower_the_wait_factor_below_one() -> None:
-    margin = SafetyMargin(waits=waits(prior=2.0, min_samples=1))
+    margin = cautious(prior=2.0, min_samples=1)
     for _ in range(10):
         _waited(margin, 1.0, 0.5)
     assert margin.factor == pytest.approx(0.5)
@@ -92,7 +106,7 @@ def test_the_own_factor_never_goes_below_one() -> None:
 
 
 def test_the_window_forgets_old_errors() -> None:
-    margin = SafetyMargin(waits=waits(prior=2.0, window=10, min_samples=1))
+    margin = cautious(prior=2.0, window=10, min_samples=1)
     for _ in range(10):
         _waited(margin, 1.0, 3.0)
     assert margin.factor == pytest.approx(3.0)
@@ -102,9 +116,7 @@ def test_the_window_forgets_old_errors() -> None:
 
 
 def test_the_typical_parts_are_corrected_by_their_median_ratio() -> None:
-    margin = SafetyMargin(
-        waits=waits(min_samples=3), own_bias=Ratios(prior=1.0, least=0.0, min_samples=3)
-    )
+    margin = cautious(min_samples=3, own_bias=Ratios(prior=1.0, least=0.0, min_samples=3))
     for observed in (1.1, 1.2, 1.3):
         _waited(margin, 1.0, observed)
     for observed in (0.018, 0.02, 0.05):  # short prompts that did not wait: 20 ms predicted
@@ -115,7 +127,7 @@ def test_the_typical_parts_are_corrected_by_their_median_ratio() -> None:
 
 
 def test_a_queue_that_overruns_now_raises_the_wait_factor_at_once() -> None:
-    margin = SafetyMargin(waits=waits(prior=2.0, min_samples=1))
+    margin = cautious(prior=2.0, min_samples=1)
     _waited(margin, 1.0, 1.2)
     assert margin.caution_s(1.0, 0.0) == pytest.approx(0.0)  # one sample: factor = bias
     assert margin.caution_s(1.0, 0.0, overrun=1.8) == pytest.approx(1.8 - 1.2)
@@ -142,3 +154,31 @@ def test_shorter_waits_errors_never_raise_a_longer_waits_caution_above_the_prior
     assert margin.waits.factor(0.2, BUDGET) == pytest.approx(3.5)
     # A wait of 1 s has not been seen: the prior, not the short waits' larger error.
     assert margin.waits.factor(1.0, BUDGET) == 2.0
+
+
+def test_a_wait_for_a_seat_is_judged_by_how_seat_waits_fared() -> None:
+    margin = cautious(prior=1.5, min_samples=3)
+    for observed in (1.0, 1.05, 1.1):  # waits for the prefills ahead: well predicted
+        _waited(margin, 1.0, observed)
+    assert margin.waits.all.samples == 3 and margin.seats.all.samples == 0
+    # The same wait, mostly for a seat, is not vouched for by them: the seat's prior, 2.
+    assert margin.caution_s(1.0, 0.0) == pytest.approx(1.1 - 1.05)
+    assert margin.caution_s(1.0, 0.0, seat_s=0.8) == pytest.approx(0.2 * 1.5 + 0.8 * 2.0 - 1.05)
+
+
+def test_each_part_of_the_wait_teaches_its_own_factor() -> None:
+    margin = cautious(min_samples=1)
+    fixed, own = 0.01, 0.1
+
+    def waited(wait: float, seat: float, observed_wait: float) -> None:
+        observed = fixed + observed_wait + own
+        margin.observe(fixed, wait, own, observed, budget_s=BUDGET, seat_s=seat)
+
+    waited(1.0, 0.05, 1.2)  # a seat's share of 5 %: a wait for the compute ahead
+    assert margin.waits.all.samples == 1 and margin.seats.all.samples == 0
+    waited(1.0, 0.8, 1.4)  # mostly a seat's: the compute ahead taken as predicted
+    assert margin.seats.all.samples == 1
+    assert margin.seats.factor(0.8, BUDGET) == pytest.approx((1.4 - 0.2) / 0.8)
+    waited(1.0, 0.3, 1.0)  # both: it teaches neither part, only the bias of every wait
+    assert (margin.waits.all.samples, margin.seats.all.samples) == (1, 1)
+    assert margin.every.samples == 3

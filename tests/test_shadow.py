@@ -74,7 +74,7 @@ async def post(fleet: Fleet, content: str, results: list[httpx.Response]) -> Non
 # prompt of each burst is the first one the projection puts over the budget, and each round has
 # drained before the next: shadow mode, which admits what predictive refuses, then changes
 # nothing that a later decision sees.
-ROUNDS: tuple[tuple[int, bool], ...] = ((4, False), (0, True), (4, False))
+ROUNDS: tuple[tuple[int, bool], ...] = ((5, False), (0, True), (5, False))
 
 
 async def run_rounds(fleet: Fleet) -> list[httpx.Response]:
@@ -122,9 +122,9 @@ async def test_shadow_records_the_refusals_predictive_makes_and_refuses_none(
     refusals = [(at, code, retry) for at, code, retry in verdicts(seen_p, origin_p) if code]
     # What predictive refused: the last prompt of each burst, and the prompt too long.
     assert refusals == [
-        (0.003, "ttft_budget_exceeded", "1"),
+        (0.004, "ttft_budget_exceeded", "1"),
         (ROUND_S, "prompt_exceeds_ttft_budget", None),
-        (2 * ROUND_S + 0.003, "ttft_budget_exceeded", "1"),
+        (2 * ROUND_S + 0.004, "ttft_budget_exceeded", "1"),
     ]
     # Shadow mode judged every request alike, at the same instants, with the same headers.
     assert verdicts(seen_s, origin_s) == verdicts(seen_p, origin_p)
@@ -138,7 +138,7 @@ async def test_shadow_records_the_refusals_predictive_makes_and_refuses_none(
     assert [s.decision.verdict for s in seen_s.seen] == ["admitted"] * len(seen_s.seen)
     assert predictive.counters()["refused"] == 3
     counters = shadow.counters()
-    assert counters["refused"] == 0 and counters["completed"] == len(seen_s.seen) == 9
+    assert counters["refused"] == 0 and counters["completed"] == len(seen_s.seen) == 11
     text = (await shadow.client.get("/metrics")).text
     assert 'narwhal_shadow_refusals_total{reason="ttft_budget_exceeded"} 2.0' in text
     assert 'narwhal_shadow_refusals_total{reason="prompt_exceeds_ttft_budget"} 1.0' in text
@@ -178,8 +178,8 @@ async def test_the_observer_sees_every_decision_in_open_mode_without_a_projectio
     origin = trio.current_time()
     with fleet.router.observers.watching(watcher), trio.fail_after(300):
         responses = await run_rounds(fleet)
-    assert [r.status_code for r in responses] == [200] * 9
-    assert len(watcher.seen) == 9
+    assert [r.status_code for r in responses] == [200] * 11
+    assert len(watcher.seen) == 11
     assert [round(s.at - origin, 9) for s in watcher.seen[:4]] == [0.0, 0.001, 0.002, 0.003]
     for seen in watcher.seen:
         assert (seen.decision.mode, seen.decision.verdict) == ("open", "admitted")
@@ -188,10 +188,10 @@ async def test_the_observer_sees_every_decision_in_open_mode_without_a_projectio
         assert seen.served.projection_error(seen.decision) is None
     text = (await fleet.client.get("/metrics")).text
     assert "narwhal_projected_ttft_error_ratio_count 0.0" in text
-    assert "narwhal_predicted_ttft_error_ratio_count 9.0" in text
+    assert "narwhal_predicted_ttft_error_ratio_count 11.0" in text
     # Left the observers: it is told nothing more.
     await fleet.chat(narwhal_sim={"output_tokens": 1})
-    assert len(watcher.seen) == 9
+    assert len(watcher.seen) == 11
 
 
 @pytest.mark.parametrize("mode", ["open", "predictive", "shadow"])

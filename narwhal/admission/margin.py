@@ -6,11 +6,15 @@ budget would therefore, under overload, fill the queue up to the budget's edge a
 what it admits miss. Predictive admission adds caution, but not to the whole projection: its
 parts are not equally uncertain.
 
-* **The wait** (for a seat, for the prefills ahead) is the uncertain part: it depends on how long
-  the running requests go on and on what the requests ahead really cost. Its caution is a high
-  quantile (the 99th percentile by default) of ``observed wait / predicted wait`` over recent
-  admitted requests whose predicted wait was a real share of the budget, where the observed wait
-  is the observed TTFT less the parts that do not wait.
+* **The wait** is the uncertain part, and it has two parts of its own. The wait for **the
+  prefills ahead** is the compute of prompts of known sizes, predicted as the request's own is;
+  the wait for **a seat** depends on how long the running requests' outputs go on, which nobody
+  knows (:meth:`~narwhal.admission.plan.EnginePlan.seat_wait` splits them). Each part's caution
+  is a high quantile (the 99th percentile by default) of ``observed wait / predicted wait`` over
+  recent admitted requests whose wait was mostly of that part and a real share of the budget,
+  where the observed wait is the observed TTFT less the parts that do not wait. A burst of long
+  prompts is not judged by how wrong output lengths can be, and a queue for seats is not
+  trusted as far as a queue of prefills.
 * **The request's own prefill** is known from its size and the engine's learned speed. Its
   caution is the same quantile of ``observed / predicted`` prefill, learned from requests that
   hardly waited, so that a long prompt on an idle engine is judged by how well the model
@@ -18,12 +22,13 @@ parts are not equally uncertain.
 
 The typical projection corrects each part by its learned bias (the median of its observed
 ratios), and the projection decided on takes each part at its factor instead:
-``fixed + wait_factor * wait + own_factor * own``. A request that waits for nothing is not made
-to look longer than its own prefill's error allows, and a burst's long queue is not trusted
-further than the queue's error. The learned factor only knows requests that have finished
-waiting; when the requests waiting now have already overrun their predicted waits by more
-(the queue runs late now), that overrun is the wait factor. Until enough requests have taught
-a factor, it is a cautious prior.
+``fixed + compute_factor * compute_wait + seat_factor * seat_wait + own_factor * own``. A
+request that waits for nothing is not made to look longer than its own prefill's error allows,
+and a burst's long queue is not trusted further than the queue's error. The learned factors
+only know requests that have finished waiting; when the requests waiting now have already
+overrun their predicted waits by more (the queue runs late now), that overrun is the wait's
+factor. Until enough requests have taught a factor, it is a cautious prior: 1.5 on the compute
+ahead, 2 on a seat.
 """
 
 from __future__ import annotations
@@ -86,9 +91,9 @@ class Ratios:
         bisect.insort(self._ordered, ratio)
 
 
-def _wait_ratios() -> Ratios:
+def _wait_ratios(prior: float = 2.0) -> Ratios:
     # No floor: waits that come in well under their prediction let more requests in.
-    return Ratios(prior=2.0, least=0.0)
+    return Ratios(prior=prior, least=0.0)
 
 
 WAIT_BANDS = (0.05, 0.2, 0.4, 0.6, 0.8)
@@ -113,9 +118,13 @@ class WaitFactors:
 
     prior: float = 2.0
     bands: tuple[Ratios, ...] = attrs.field(
-        factory=lambda: tuple(_wait_ratios() for _ in WAIT_BANDS)
+        default=attrs.Factory(
+            lambda self: tuple(_wait_ratios(self.prior) for _ in WAIT_BANDS), takes_self=True
+        )
     )
-    all: Ratios = attrs.field(factory=_wait_ratios)
+    all: Ratios = attrs.field(
+        default=attrs.Factory(lambda self: _wait_ratios(self.prior), takes_self=True)
+    )
 
     def band(self, wait_s: float, budget_s: float) -> int | None:
         """The band of a predicted wait (``None``: under the first, too short to judge)."""
@@ -128,6 +137,7 @@ class WaitFactors:
 
     def factor(self, wait_s: float, budget_s: float) -> float:
         """The factor for a predicted wait of ``wait_s`` under ``budget_s``."""
+        prior = self.prior
         index = self.band(wait_s, budget_s)
         if index is None:
             index = 0
@@ -139,10 +149,10 @@ class WaitFactors:
                     return ratios.factor
                 # Shorter waits have the larger relative errors: what they teach may make a
                 # longer wait's caution less than the prior, never more.
-                return min(self.prior, ratios.factor * _LADDER**climbed)
+                return min(prior, ratios.factor * _LADDER**climbed)
             index -= 1
             climbed += 1
-        return self.prior
+        return prior
 
     def add(self, wait_s: float, budget_s: float, ratio: float) -> None:
         """A request predicted to wait ``wait_s`` waited ``ratio`` times that."""
@@ -160,12 +170,26 @@ def _bias_ratios() -> Ratios:
     return Ratios(prior=1.0, least=0.0)
 
 
+def _compute_waits() -> WaitFactors:
+    # The prefills ahead are prompts of known sizes, predicted as the own prefill is (prior
+    # 1.25); their errors add up along a queue, and partly cancel.
+    return WaitFactors(prior=1.5)
+
+
+def _seat_waits() -> WaitFactors:
+    return WaitFactors(prior=2.0)
+
+
 @attrs.define
 class SafetyMargin:
     """How much later than typical a first token may come: on the wait, and on the own prefill.
 
     Attributes:
-        waits: ratios of observed to predicted wait, from requests that waited, by band.
+        waits: ratios of observed to predicted wait, by band, from requests whose wait was
+            for the prefill compute ahead (a seat's share of it at most ``compute_share``).
+        seats: the same, from requests whose wait was mostly for a seat (its share at least
+            ``seat_share``): the seat's ratio, the compute ahead taken as predicted.
+        every: every wait's ratio: their median is the wait's bias.
         own: ratios of observed to predicted own prefill, from long prompts that hardly waited.
         own_bias: the same ratios from every request that hardly waited, whatever its size:
             their median corrects the typical own prefill.
@@ -177,32 +201,36 @@ class SafetyMargin:
             was under this share of its own prefill (its TTFT was its prefill's).
     """
 
-    waits: WaitFactors = attrs.field(factory=WaitFactors)
+    waits: WaitFactors = attrs.field(factory=_compute_waits)
+    seats: WaitFactors = attrs.field(factory=_seat_waits)
+    every: Ratios = attrs.field(factory=_wait_ratios)
     own: Ratios = attrs.field(factory=_own_ratios)
     own_bias: Ratios = attrs.field(factory=_bias_ratios)
     floor_share: float = 0.05
     own_only_share: float = 0.25
+    compute_share: float = 0.1
+    seat_share: float = 0.5
 
     @property
     def wait(self) -> Ratios:
-        """Every wait's ratio, whatever its band: their median is the wait's bias, their high
-        quantile ``narwhal_admission_safety_factor``."""
-        return self.waits.all
+        """Every wait's ratio, whatever its band and part: their median is the wait's bias,
+        their high quantile ``narwhal_admission_safety_factor``."""
+        return self.every
 
     @property
     def factor(self) -> float:
-        """The factor on waits of every band together (``narwhal_admission_safety_factor``)."""
-        return self.waits.all.factor
+        """The factor on every wait together (``narwhal_admission_safety_factor``)."""
+        return self.every.factor
 
     @property
     def samples(self) -> int:
-        """How many requests taught the wait factor."""
-        return self.waits.all.samples
+        """How many requests taught the wait factors."""
+        return self.every.samples
 
     def typical(self, wait_s: float, own_prefill_s: float) -> tuple[float, float]:
         """The wait and own prefill as typically observed: the predictions, corrected by the
         median of their observed ratios (their learned bias)."""
-        return wait_s * self.waits.all.median, own_prefill_s * self.own_bias.median
+        return wait_s * self.every.median, own_prefill_s * self.own_bias.median
 
     def caution_s(
         self,
@@ -211,6 +239,7 @@ class SafetyMargin:
         overrun: float = 0.0,
         *,
         budget_s: float = 2.0,
+        seat_s: float = 0.0,
     ) -> float:
         """What the projection adds to the typical first token (seconds, never negative).
 
@@ -221,11 +250,16 @@ class SafetyMargin:
                 predicted waits (the largest ratio of time waited so far to predicted wait): a
                 lower bound on the wait's error now, which the learned factor, taught by
                 requests that have finished waiting, only shows later.
-            budget_s: the budget (the wait's band is a share of it).
+            budget_s: the budget (each part's band is a share of it).
+            seat_s: the part of ``wait_s`` that is for a seat.
         """
         typical_wait, typical_own = self.typical(wait_s, own_prefill_s)
-        wait_factor = max(self.waits.factor(wait_s, budget_s), overrun)
-        wait = max(0.0, wait_factor * wait_s - typical_wait)
+        seat_s = min(max(0.0, seat_s), wait_s)
+        compute_s = wait_s - seat_s
+        cautious = self.waits.factor(compute_s, budget_s) * compute_s
+        if seat_s > 0:
+            cautious += self.seats.factor(seat_s, budget_s) * seat_s
+        wait = max(0.0, max(cautious, overrun * wait_s) - typical_wait)
         own = max(0.0, self.own.factor * own_prefill_s - typical_own)
         return wait + own
 
@@ -237,14 +271,23 @@ class SafetyMargin:
         observed_s: float,
         *,
         budget_s: float,
+        seat_s: float = 0.0,
     ) -> None:
         """An admitted request saw its first token at ``observed_s`` from arrival, where
-        ``wait_s`` waiting and ``own_prefill_s`` of its own prefill were predicted, after
-        ``fixed_s`` (the time in the router and the overhead, which do not wait)."""
+        ``wait_s`` waiting (``seat_s`` of it for a seat) and ``own_prefill_s`` of its own
+        prefill were predicted, after ``fixed_s`` (the time in the router and the overhead,
+        which do not wait)."""
         floor = self.floor_share * budget_s
         if wait_s >= floor:
             # What the wait really was, taking the parts that do not wait as predicted.
-            self.waits.add(wait_s, budget_s, (observed_s - fixed_s - own_prefill_s) / wait_s)
+            waited = observed_s - fixed_s - own_prefill_s
+            self.every.add(waited / wait_s)
+            seat_s = min(max(0.0, seat_s), wait_s)
+            if seat_s <= self.compute_share * wait_s:
+                self.waits.add(wait_s, budget_s, waited / wait_s)
+            elif seat_s >= self.seat_share * wait_s:
+                # The compute ahead taken as predicted: the rest of the error is the seat's.
+                self.seats.add(seat_s, budget_s, (waited - (wait_s - seat_s)) / seat_s)
         elif own_prefill_s > 0 and wait_s < self.own_only_share * own_prefill_s:
             ratio = (observed_s - fixed_s - wait_s) / own_prefill_s
             self.own_bias.add(ratio)

@@ -136,6 +136,7 @@ class EnginePlan:
         "backlog",
         "batch",
         "census",
+        "compute_free",
         "context",
         "decoding",
         "engine",
@@ -161,6 +162,9 @@ class EnginePlan:
         self.census = census
         self.now = now
         self.backlog = forecast.pipeline
+        # When the prefill compute placed here would be done if seats were never short: the
+        # wait beyond it is the seats' (seat_wait).
+        self.compute_free = forecast.pipeline.free_at
         self.tpot_s = forecast.tpot_s()
         # What one more sequence would decode beside (PrefillForecast.tpot_with, as it is now:
         # the TPOT check does not grow the batch).
@@ -226,6 +230,15 @@ class EnginePlan:
         own_s = forecast.profile.prefill_chunk_ms(0, tokens) / 1000 * forecast.scale
         return start + own_s + forecast.latency_s
 
+    def seat_wait(self) -> float:
+        """How much of the next request's wait here is for a seat: how much later its prefill
+        starts than it would if seats were never short, after the prefill compute ahead of it
+        only. Seats free as running requests end, which depends on how long their outputs run:
+        the least predictable part of a wait (:class:`~narwhal.admission.margin.SafetyMargin`
+        learns its error apart)."""
+        start = max(self.placement(), self.backlog.free_at)
+        return max(0.0, start - max(self.now, self.compute_free))
+
     def tpot_with(self, tokens: int) -> float:
         """Predicted time per output token there with one more sequence of ``tokens`` (judged
         on the batch as it was when the plan was made: the replay does not grow it)."""
@@ -246,6 +259,8 @@ class EnginePlan:
             heapq.heappush(self.prefill_free, at)
             return
         forecast = self.forecast
+        own_s = forecast.profile.prefill_chunk_ms(0, waiter.prompt_tokens) / 1000 * forecast.scale
+        self.compute_free = max(self.now, self.compute_free) + own_s
         self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog, self.decoding)
         sequences, context = self.decoding
         self.decoding = (sequences + 1, context + waiter.prompt_tokens)  # it decodes next

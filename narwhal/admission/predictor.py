@@ -57,6 +57,8 @@ class Projection:
             is to refuse it, so admission does not.
         fixed_s: the parts that do not wait: the time already spent in the router and
             ``frontend_overhead_s``.
+        seat_s: the part of ``wait_s`` spent waiting for a seat, beyond the prefill compute
+            ahead (:meth:`~narwhal.admission.plan.EnginePlan.seat_wait`).
     """
 
     ttft_s: float
@@ -67,6 +69,7 @@ class Projection:
     engine: str
     beyond_context: bool = False
     fixed_s: float = 0.0
+    seat_s: float = 0.0
 
 
 def project(
@@ -118,6 +121,7 @@ def project(
         return None
     first_token_at = chosen.first_token(request.prompt_tokens)
     start = max(chosen.placement(), chosen.backlog.free_at)
+    seat_s = min(chosen.seat_wait(), start - now)
     alone = min(
         p.engine.forecast.standalone_s(request.prompt_tokens)
         for p in plan.engines
@@ -133,6 +137,7 @@ def project(
         margin,
         overrun=overrun,
         budget_s=budget_s,
+        seat_s=seat_s,
     )
 
 
@@ -147,11 +152,12 @@ def _projection(
     overrun: float = 0.0,
     budget_s: float = 2.0,
     beyond_context: bool = False,
+    seat_s: float = 0.0,
 ) -> Projection:
     typical_wait, typical_own, caution = wait_s, own_prefill_s, 0.0
     if margin is not None:
         typical_wait, typical_own = margin.typical(wait_s, own_prefill_s)
-        caution = margin.caution_s(wait_s, own_prefill_s, overrun, budget_s=budget_s)
+        caution = margin.caution_s(wait_s, own_prefill_s, overrun, budget_s=budget_s, seat_s=seat_s)
     typical_s = fixed_s + typical_wait + typical_own
     return Projection(
         ttft_s=typical_s + caution,
@@ -162,6 +168,7 @@ def _projection(
         engine=engine.name,
         beyond_context=beyond_context,
         fixed_s=fixed_s,
+        seat_s=seat_s,
     )
 
 

@@ -212,6 +212,7 @@ async def _answer(
             projection.wait_s,
             projection.own_prefill_s,
             budget_s=decision.budget_s,
+            seat_s=projection.seat_s,
         )
     async with router.queue.placement(waiter, admission.admission_wait_s) as slot:
         router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
