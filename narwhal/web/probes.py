@@ -40,7 +40,7 @@ import attrs
 import orjson
 import trio
 
-from narwhal.config import Config
+from narwhal.config import Config, ConfigError
 from narwhal.errors import FrameworkHTTPError, MethodNotAllowed, NarwhalError, RouteNotFound
 
 if TYPE_CHECKING:
@@ -233,13 +233,19 @@ def probe_listener(config: Config) -> Iterator[ProbeListener | None]:
     its thread is stopped and its socket closed on exit.
 
     Raises:
-        OSError: the address cannot be bound.
+        ConfigError: the address cannot be bound (the message names ``serving.probe_bind``).
     """
     bind = config.serving.probe_bind
     if not bind:
         yield None
         return
-    listener = ProbeListener(bind, stale_after_s=stale_after_s(config))
+    try:
+        listener = ProbeListener(bind, stale_after_s=stale_after_s(config))
+    except OSError as exc:
+        # Named by its key: the command line's "cannot listen on" names serving.bind.
+        raise ConfigError(
+            f"serving.probe_bind: cannot listen on {bind}: {exc.strerror or exc}"
+        ) from exc
     try:
         listener.start()
         log.info("Probes on %s (/health, /ready)", listener.url)

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import trio
 
-from narwhal.config import Config, EngineConfig, ServingConfig
+from narwhal.config import Config, ConfigError, EngineConfig, ServingConfig
 from narwhal.demo import demo_transports
 from narwhal.server import serve
 from narwhal.web.probes import ProbeListener, probe_listener
@@ -116,6 +116,17 @@ def test_it_closes_cleanly() -> None:
     assert not [t for t in threading.enumerate() if t.name == "narwhal-probes"]
     with pytest.raises(httpx.ConnectError):
         get(f"{url}/health")
+
+
+def test_a_probe_bind_in_use_is_an_error_naming_the_key() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = Config(serving=ServingConfig(model=MODEL, probe_bind=f"127.0.0.1:{port}"))
+        with pytest.raises(ConfigError) as raised, probe_listener(config):
+            pass
+    assert str(raised.value).startswith(f"serving.probe_bind: cannot listen on 127.0.0.1:{port}: ")
 
 
 def test_no_probe_bind_no_listener() -> None:
