@@ -92,11 +92,18 @@ class RealtimeSettings:
 
     @property
     def scaled_capacity(self) -> Capacity:
-        """The capacity of the slowed engines."""
+        """The capacity of the slowed engines. Real time has no step ledger (the engines are
+        other processes): goodput is weighed with the cost model, so its bound is the cost
+        model's rate, with that rate's noise (``engines`` 0)."""
+        capacity = self.capacity
+        rate = capacity.model_s_per_s or capacity.engine_s_per_s
+        noise = capacity.model_noise if capacity.model_s_per_s else capacity.noise
         return attrs.evolve(
-            self.capacity,
-            rps=self.capacity.rps / self.time_scale,
-            engine_s_per_s=self.capacity.engine_s_per_s / self.time_scale,
+            capacity,
+            rps=capacity.rps / self.time_scale,
+            engine_s_per_s=rate / self.time_scale,
+            engines=0,
+            noise=noise,
         )
 
     def as_json(self) -> dict[str, Any]:

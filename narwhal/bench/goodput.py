@@ -379,7 +379,9 @@ class Capacity:
             at most ``engines``, and ``engine_s_per_s`` at most that).
         model_s_per_s: the cost model's estimate of the work done per second of the window
             (:func:`work_in_window`; ``rps`` is it over the trace's mean; ``None``: not
-            measured).
+            measured). A run without a ledger (real time: the engines are other processes)
+            weighs goodput with the cost model and takes this as its capacity.
+        model_noise: the relative standard error of ``model_s_per_s`` (as ``noise``).
         window_s: the measured window (virtual seconds), after the warm-up.
         completed: requests completed in the window.
         concurrency: requests kept in flight.
@@ -405,6 +407,7 @@ class Capacity:
     engines: int = 0
     busy_s_per_s: float | None = None
     model_s_per_s: float | None = None
+    model_noise: float = 0.0
     window_s: float = 0.0
     completed: int = 0
     concurrency: int = 0

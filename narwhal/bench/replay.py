@@ -644,13 +644,18 @@ async def _capacity(job: CapacityJob) -> Capacity:
     # completed does not matter). The engine time: the ledger's, as goodput reads it.
     model_rate = work_in_window(work, outcomes.values(), Window(start, stop)) / window
     busy, charged = ledger_rates(ledger.steps, Window(start, stop))
-    noise = _relative_error(ledger.steps, start, stop)
+    parts = _parts(start, stop)
+    noise = _relative_error([ledger_rates(ledger.steps, part)[1] for part in parts])
+    model_noise = _relative_error(
+        [work_in_window(work, outcomes.values(), part) / part.length_s for part in parts]
+    )
     return Capacity(
         rps=model_rate / trace_mean if trace_mean > 0 else len(done) / window,
         engine_s_per_s=charged,
         engines=len(setup.router.engines),
         busy_s_per_s=busy,
         model_s_per_s=model_rate,
+        model_noise=model_noise,
         window_s=window,
         completed=len(done),
         concurrency=concurrency,
@@ -666,16 +671,19 @@ async def _capacity(job: CapacityJob) -> Capacity:
 _NOISE_PARTS = 6
 
 
-def _relative_error(steps: list[StepRecord], start: float, stop: float) -> float:
-    """The capacity's own noise: the standard error of the ledger's charged rate over six
-    equal parts of the window (batch means), relative to their mean."""
+def _parts(start: float, stop: float) -> list[Window]:
+    """Six equal parts of the window (none when it is empty)."""
     step = (stop - start) / _NOISE_PARTS
     if step <= 0:
+        return []
+    return [Window(start + i * step, start + (i + 1) * step) for i in range(_NOISE_PARTS)]
+
+
+def _relative_error(rates: list[float]) -> float:
+    """A rate's own noise: the standard error of its values over the window's six parts (batch
+    means), relative to their mean."""
+    if len(rates) < 2:
         return 0.0
-    rates = [
-        ledger_rates(steps, Window(start + i * step, start + (i + 1) * step))[1]
-        for i in range(_NOISE_PARTS)
-    ]
     mean = sum(rates) / len(rates)
     if mean <= 0:
         return 0.0

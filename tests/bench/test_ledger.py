@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal.bench.admission_realtime import RealtimeSettings
 from narwhal.bench.goodput import (
     Bar,
     Capacity,
@@ -310,3 +311,20 @@ def test_at_overload_the_ledger_stays_under_the_engines_where_the_old_estimate_d
     assert figures.goodput_engine == pytest.approx(goodput)
     assert figures.goodput_engine_ratio is not None and figures.goodput_engine_ratio <= 1.0
     assert figures.busy_engine == pytest.approx(busy)
+
+
+def test_real_time_has_no_ledger_and_takes_the_cost_models_rate_as_its_bound() -> None:
+    # The engines are other processes: goodput is weighed by the cost model, against the
+    # capacity loop's cost-model rate and noise, slowed by the time scale.
+    measured = Capacity(
+        rps=40.0,
+        engine_s_per_s=1.999,
+        engines=2,
+        busy_s_per_s=2.0,
+        model_s_per_s=2.04,
+        model_noise=0.02,
+        noise=1e-5,
+    )
+    scaled = RealtimeSettings(default_router(), measured, time_scale=4.0).scaled_capacity
+    assert (scaled.rps, scaled.engine_s_per_s) == pytest.approx((10.0, 0.51))
+    assert (scaled.engines, scaled.ceiling, scaled.ceiling_noise) == (0, 0.51, 0.02)
