@@ -294,7 +294,7 @@ def test_at_overload_the_ledger_stays_under_the_engines_where_the_old_estimate_d
     assert busy > 1.99  # saturated
     # The cost model spread evenly over each request's life (the old reading) puts work done
     # at the window's edges inside it: on this short window it reads more than two engines can
-    # do (2.36 engine-s/s of in-budget work at 3179fa1), so a policy "beat" the bound; the
+    # do (2.36 engine-s/s of in-budget work at fc21e18), so a policy "beat" the bound; the
     # ledger cannot. (Over every request that ran, so as not to hang on what admission let in.)
     ran = [o for o in outcomes if o.engine_work_s is not None]
     old = work_in_window(OVERLOAD.work(), ran, window) / window.length_s
