@@ -23,7 +23,7 @@ from narwhal.admission.observer import Observers
 from narwhal.admission.queue import AdmissionQueue, QueueStatistics
 from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config, ConfigError
-from narwhal.control.lease import Lease, open_lease
+from narwhal.control.lease import Lease, LeaseStatistics, open_lease
 from narwhal.control.maintenance import Maintenance
 from narwhal.control.state import ControlState, RouterState
 from narwhal.control.watchdog import Watchdog
@@ -64,6 +64,7 @@ class RouterStatistics:
     engines: tuple[EngineStatistics, ...]
     retention: RetentionStatistics
     queue: QueueStatistics
+    lease: LeaseStatistics | None = None
 
     @property
     def ready(self) -> bool:
@@ -80,10 +81,14 @@ class RouterStatistics:
 
     def as_json(self) -> dict[str, Any]:
         """The ``/ready`` body."""
-        return {
+        body: dict[str, Any] = {
             "state": self.state,
             "reason": self.why_not_ready(),
             "admission": {"mode": self.mode},
+        }
+        if self.lease is not None:
+            body["lease"] = self.lease.as_json()
+        return body | {
             "counters": self.accounting.as_json(),
             "engines": [
                 {
@@ -311,4 +316,5 @@ class Router:
             engines=tuple(engine.statistics() for engine in self.pool),
             retention=self.retention.statistics(),
             queue=self.queue.statistics(),
+            lease=self.lease.statistics(),
         )

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -156,6 +156,15 @@ class LeaseStatistics:
     renewals: int
     failures: int
     fences: int
+
+    def as_json(self) -> dict[str, Any]:
+        """What ``/ready`` shows of the lease (the counts are in ``/metrics``)."""
+        return {
+            "backend": self.backend,
+            "state": self.state,
+            "token": self.token,
+            "leader": self.leader,
+        }
 
 
 class Lease(Protocol):

@@ -8,7 +8,7 @@ never disagree. Only the latency histograms are observed per request.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from narwhal.admission.accounting import TERMINAL_CLASSES
 from narwhal.admission.observer import Decision, Served
+from narwhal.control.state import LeaseState, RouterState
 
 if TYPE_CHECKING:
     from narwhal.router import Router
@@ -97,6 +98,45 @@ class _RouterCollector(Collector):
         factor.add_metric([], self._router.margin.factor)
         yield factor
         yield from _monitoring(self._router, stats.engines)
+        yield from _control(self._router, stats.state)
+
+
+_ROUTER_STATES = get_args(RouterState)
+_LEASE_STATES = get_args(LeaseState)
+
+
+def _control(router: Router, state: str) -> Iterator[Metric]:
+    """The router's state and its lease (narwhal.control.state, narwhal.control.lease)."""
+    routed = GaugeMetricFamily(
+        "narwhal_router_state", "1 for the router's state, 0 for the others", labels=["state"]
+    )
+    for name in _ROUTER_STATES:
+        routed.add_metric([name], int(name == state))
+    yield routed
+    lease = router.lease.statistics()
+    held = GaugeMetricFamily(
+        "narwhal_lease_state",
+        "1 for the lease's own condition, 0 for the others",
+        labels=["backend", "state"],
+    )
+    for name in _LEASE_STATES:
+        held.add_metric([lease.backend, name], int(name == lease.state))
+    yield held
+    token = GaugeMetricFamily(
+        "narwhal_lease_fencing_token",
+        "The fencing token sent to engines in x-narwhal-fence (absent until the key was held)",
+    )
+    if lease.token is not None:
+        token.add_metric([], lease.token)
+    yield token
+    for name, count, meaning in (
+        ("renewals", lease.renewals, "Successful renewals of this router's lease"),
+        ("failures", lease.failures, "Failed or timed-out requests to the lease store"),
+        ("fences", lease.fences, "Times this router fenced itself (it could not renew in time)"),
+    ):
+        family = CounterMetricFamily(f"narwhal_lease_{name}", meaning)
+        family.add_metric([], count)
+        yield family
 
 
 def _monitoring(router: Router, engines: tuple[EngineStatistics, ...]) -> Iterator[Metric]:
