@@ -49,7 +49,11 @@ from narwhal.scheduling.lengths import OutputLengths
 __all__ = ["AdmissionQueue", "QueueStatistics", "Waiter"]
 
 _RECHECK_S = 0.005  # the soonest the dispatcher looks again for a request whose engine is full
-_REFRESH_S = 0.1  # the queue's plan is walked again from the engines' state at least this often
+# The queue's plan is walked again from the engines' state at least this often. Between walks,
+# ends and first tokens are taken as the plan expected them, and a request waiting past its
+# planned time has the plan walked again at once; 0.25 s kept the conversation trace's in-budget
+# share at 2x and 3x and its refusals at 1x as they were with 0.1 s, at 2.5 times fewer walks.
+_REFRESH_S = 0.25
 
 
 @attrs.define(eq=False)
