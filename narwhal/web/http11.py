@@ -13,7 +13,11 @@ Narwhal keeps Hypercorn's HTTP stream (the ASGI side) and h11 itself, and replac
 parts around them:
 
 - :class:`HTTP11Protocol` is Hypercorn's ``H11Protocol`` with the request-reading loop
-  rewritten. Once a request that asked to close is complete, h11 is fed nothing more (RFC 9112
+  rewritten and fewer writes per response: a response head is held until its first body bytes
+  (or its end) and leaves with them, and a response's last body bytes leave with its end
+  (:class:`LastBody`, sent by :class:`HTTPStream`), so that a whole answer is one write and a
+  stream's head goes out with its first event.
+  Once a request that asked to close is complete, h11 is fed nothing more (RFC 9112
   section 9.6: no further request is processed), so trailing bytes are dropped rather than
   raised; an HTTP/1.0 ``POST`` without a length has a body that runs to the end of the
   connection, passed to the application, which applies ``serving.max_request_bytes`` (413);
@@ -35,6 +39,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from time import time
 from typing import Any
 
 import attrs
@@ -43,18 +49,27 @@ import orjson
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.protocol.events import Body, Data, EndBody, Response
+from hypercorn.protocol.events import Body, Data, EndBody, Request, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState
+from hypercorn.protocol.http_stream import HTTPStream as HypercornHTTPStream
 from hypercorn.protocol.ws_stream import Handshake
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
-from hypercorn.utils import parse_socket_addr
+from hypercorn.utils import parse_socket_addr, suppress_body
 
 from narwhal.errors import envelope
 
-__all__ = ["Connection", "ConnectionStatistics", "Connections", "HTTP11Protocol"]
+__all__ = [
+    "Connection",
+    "ConnectionStatistics",
+    "Connections",
+    "HTTP11Protocol",
+    "HTTPStream",
+    "LastBody",
+]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +132,36 @@ def _framing(request: h11.Request) -> bool:
     return b"content-length" in names or b"transfer-encoding" in names
 
 
+@dataclass(frozen=True)
+class LastBody(StreamEvent):
+    """A response's last body bytes and its end, to go out in one write."""
+
+    data: bytes
+
+
+class HTTPStream(HypercornHTTPStream):
+    """Hypercorn's ASGI side of one request, with a response's last body message sent as one
+    :class:`LastBody` (Hypercorn sends a ``Body`` and an ``EndBody``: two writes)."""
+
+    async def app_send(self, message: Any) -> None:
+        if (
+            message is not None
+            and message["type"] == "http.response.body"
+            and self.state is ASGIHTTPState.RESPONSE
+            and not message.get("more_body", False)
+            and not self.response.get("trailers", False)
+        ):
+            data = bytes(message.get("body", b""))
+            if suppress_body(self.scope["method"], int(self.response["status"])):
+                data = b""
+            await self.send(LastBody(stream_id=self.stream_id, data=data))
+            self.state = ASGIHTTPState.CLOSED
+            await self.config.log.access(self.scope, self.response, time() - self.start_time)
+            await self.send(StreamClosed(stream_id=self.stream_id))
+            return
+        await super().app_send(message)
+
+
 class HTTP11Protocol(H11Protocol):
     """Hypercorn's h11 protocol with Narwhal's reading loop and envelope errors.
 
@@ -139,6 +184,7 @@ class HTTP11Protocol(H11Protocol):
         self.close_delimited = False
         self.body_ended_by_eof = False
         self.closed = False
+        self._held_head = b""  # a response head waiting for its first body bytes
 
     # -- what the connection asks ---------------------------------------------------------------
 
@@ -197,22 +243,78 @@ class HTTP11Protocol(H11Protocol):
             await super().handle(event)
 
     async def stream_send(self, event: StreamEvent) -> None:
-        if self.closed and isinstance(event, Response | Body | EndBody):
+        if self.closed and isinstance(event, Response | Body | EndBody | LastBody):
             # The connection ended before this answer began (the client went away): an answer
             # that starts now would be cut at its head. Whole or nothing: nothing.
             return
-        if (
-            isinstance(event, Response)
-            and event.status_code >= 200
-            and self.context.terminated.is_set()
-        ):
-            # Draining: this response is the connection's last.
-            event = Response(
-                stream_id=event.stream_id,
-                headers=[*event.headers, (b"connection", b"close")],
-                status_code=event.status_code,
+        if isinstance(event, Response) and event.status_code >= 200:
+            headers = list(event.headers)
+            if self.context.terminated.is_set():
+                headers.append((b"connection", b"close"))  # draining: the connection's last
+            headers.extend(self.config.response_headers("h11"))
+            if self.keep_alive_requests >= self.config.keep_alive_max_requests:
+                headers.append((b"connection", b"close"))
+            # Held until the first body bytes or the end, which every route sends right after
+            # its head: one write instead of two.
+            head = h11.Response(headers=headers, status_code=event.status_code)
+            self._held_head += self._h11_bytes(head)
+        elif isinstance(event, Body):
+            await self._write(self._h11_bytes(h11.Data(data=event.data)))
+        elif isinstance(event, LastBody):
+            data = self._h11_bytes(h11.Data(data=event.data)) if event.data else b""
+            await self._write(data + self._h11_bytes(h11.EndOfMessage()))
+        elif isinstance(event, EndBody):
+            await self._write(self._h11_bytes(h11.EndOfMessage()))
+        else:
+            if isinstance(event, StreamClosed) and self._held_head:
+                await self._write(b"")  # a head whose body never came: it goes as it is
+            await super().stream_send(event)
+
+    def _h11_bytes(self, event: h11.Response | h11.Data | h11.EndOfMessage) -> bytes:
+        """``event`` framed by h11; nothing when the client broke the connection's protocol."""
+        try:
+            return self.connection.send(event) or b""
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return b""
+
+    async def _write(self, data: bytes) -> None:
+        if self._held_head:
+            data, self._held_head = self._held_head + data, b""
+        if data:
+            await self.send(RawData(data=data))
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        # Hypercorn's, with Narwhal's HTTPStream.
+        if self.websockets and websocket_upgrade(request):
+            await super()._create_stream(request)
+            return
+        self.stream = HTTPStream(
+            self.app,
+            self.config,
+            self.context,
+            self.task_group,
+            self.ssl,
+            self.client,
+            self.server,
+            self.stream_send,
+            STREAM_ID,
+        )
+        raw = self.config.h11_pass_raw_headers
+        headers = request.headers.raw_items() if raw else list(request.headers)
+        await self.stream.handle(
+            Request(
+                stream_id=STREAM_ID,
+                headers=headers,
+                http_version=request.http_version.decode(),
+                method=request.method.decode("ascii").upper(),
+                raw_path=request.target,
+                state=self.connection_state,
             )
-        await super().stream_send(event)
+        )
+        self.keep_alive_requests += 1
+        await self.context.mark_request()
 
     async def _check_protocol(self, event: h11.Request) -> None:
         # The router speaks HTTP/1.1 only: an "Upgrade: h2c" header is ignored (RFC 9113
@@ -430,7 +532,16 @@ class Connection:
         """Where the protocol's bytes, close requests and idle changes arrive."""
         if isinstance(event, RawData):
             broken = False
-            async with self._send_lock:
+            lock = self._send_lock
+            # The lock uncontended (nearly always) is taken without a trip through the
+            # scheduler: the write below is the checkpoint. A cancelled caller still never
+            # begins a write.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                lock.acquire_nowait()
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
                 # A write is never half done by a cancellation (the framing would break);
                 # abort() cancels this scope itself when the connection must end regardless.
                 with trio.CancelScope(shield=True) as self._sending:
@@ -440,6 +551,8 @@ class Connection:
                         broken = True
                 broken = broken or self._sending.cancelled_caught
                 self._sending = None
+            finally:
+                lock.release()
             if broken:
                 self.close()
         elif isinstance(event, Closed):
