@@ -162,8 +162,8 @@ class EnginePlan:
         self.census = census
         self.now = now
         self.backlog = forecast.pipeline
-        # When the prefill compute placed here would be done if seats were never short: the
-        # wait beyond it is the seats' (seat_wait).
+        # When the prompts' compute placed here would be done, alone (seats never short, no
+        # decode step beside): the wait beyond it depends on the running requests (seat_wait).
         self.compute_free = forecast.pipeline.free_at
         self.tpot_s = forecast.tpot_s()
         # What one more sequence would decode beside (PrefillForecast.tpot_with, as it is now:
@@ -231,11 +231,11 @@ class EnginePlan:
         return start + own_s + forecast.latency_s
 
     def seat_wait(self) -> float:
-        """How much of the next request's wait here is for a seat: how much later its prefill
-        starts than it would if seats were never short, after the prefill compute ahead of it
-        only. Seats free as running requests end, which depends on how long their outputs run:
-        the least predictable part of a wait (:class:`~narwhal.admission.margin.SafetyMargin`
-        learns its error apart)."""
+        """How much of the next request's wait here depends on the running requests: how much
+        later its prefill starts than the compute of the prompts ahead alone would have it
+        start. That is the wait for a seat, which frees only when a running request's output
+        ends, and the decode steps the prefills ahead run beside: the least predictable part
+        of a wait (:class:`~narwhal.admission.margin.SafetyMargin` learns its error apart)."""
         start = max(self.placement(), self.backlog.free_at)
         return max(0.0, start - max(self.now, self.compute_free))
 
