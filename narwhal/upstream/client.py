@@ -145,6 +145,23 @@ class EngineClient:
             transport=transport,
             headers=None if key is None else {"authorization": f"Bearer {key}"},
         )
+        # Streams go straight to the transport when it is one we hold (Narwhal's own, or one
+        # given in place of the network): the client's layers (URL merging, auth flows,
+        # redirects, cookies, the response wrapper) cost more per request than the transport
+        # itself, and a stream needs none of them. An https engine goes through the client.
+        self._transport = transport
+        self._urls: dict[str, httpx.URL] = {}
+        self._urls_base: httpx.URL | None = None
+
+    def _url(self, route: Literal["chat", "completions"]) -> httpx.URL:
+        """The route's URL on the client's base URL, merged once per base URL."""
+        base = self.http.base_url
+        if base is not self._urls_base:
+            self._urls = {
+                name: self.http.build_request("POST", path).url for name, path in _PATHS.items()
+            }
+            self._urls_base = base
+        return self._urls[route]
 
     async def aclose(self) -> None:
         """Close every pooled connection."""
@@ -174,20 +191,31 @@ class EngineClient:
             EngineResponseError: the engine broke HTTP/1.1 (``malformed_engine_response``).
             EngineRejectedRequest: the engine answered 4xx (normalised envelope).
         """
-        request = self.http.build_request(
-            "POST",
-            _PATHS[route],
-            content=OneShotBody(body),  # the prompt is not kept for the stream's whole life
-            headers={
-                "content-type": "application/json",
-                "accept": "text/event-stream",
-                "content-length": str(len(body)),
-            }
-            | dict(headers or {}),
-        )
-        request_id = (headers or {}).get("x-request-id", "-")
+        own = {
+            "content-type": "application/json",
+            "accept": "text/event-stream",
+            "content-length": str(len(body)),
+        } | dict(headers or {})
+        request_id = own.get("x-request-id", "-")
         try:
-            response = await self.http.send(request, stream=True)
+            if self._transport is None:
+                request = self.http.build_request(
+                    "POST", _PATHS[route], content=OneShotBody(body), headers=own
+                )
+                response = await self.http.send(request, stream=True)
+            else:
+                # The client's headers (the key, the fence, httpx's defaults), ours winning.
+                merged = [
+                    (name, value) for name, value in self.http.headers.items() if name not in own
+                ]
+                request = httpx.Request(
+                    "POST",
+                    self._url(route),
+                    headers=[*merged, *own.items()],
+                    content=OneShotBody(body),  # the prompt is not kept for the stream's life
+                )
+                response = await self._transport.handle_async_request(request)
+                response.request = request
         except httpx.HTTPError as exc:
             raise transport_error(self.engine.name, exc, f"request {request_id}") from exc
         if response.status_code >= 400:
@@ -429,7 +457,11 @@ class UpstreamStream:
         self.ids_required = ids_required
         self.request_id = request_id
         self._response = response
-        self._reader = response.aiter_raw()
+        # The body's own stream: httpx's aiter_raw would add two generator layers per read.
+        stream = response.stream
+        if not isinstance(stream, httpx.AsyncByteStream):
+            raise TypeError("engine streams are read asynchronously")
+        self._reader = stream.__aiter__()
         self._decoder = SSEDecoder()
         self._pending: list[Any] = []
         self._position = 0
@@ -446,9 +478,22 @@ class UpstreamStream:
         """Close the connection (the engine sees the client go away and aborts)."""
         await self._response.aclose()
 
-    def has_pending(self) -> bool:
-        """Whether the next event is already decoded (no read needed)."""
-        return self._position < len(self._pending)
+    def next_ready(self) -> ChunkEvent | ErrorFrameEvent | None:
+        """The next event when it is already received and is not the stream's end; else
+        ``None`` (a read, or the end, is next: :meth:`next_event`).
+
+        Raises:
+            EngineResponseError: the event is not JSON, or breaks the token-ID rules.
+        """
+        if self._position >= len(self._pending):
+            return None
+        data = self._pending[self._position].data
+        if data == DONE:
+            return None
+        self._position += 1
+        event = self._decode(data)
+        assert not isinstance(event, DoneEvent)
+        return event
 
     async def next_event(self) -> UpstreamEvent:
         """The next event of the stream.

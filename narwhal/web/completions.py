@@ -337,33 +337,33 @@ async def _relay(client: Client, ticket: Ticket, exchange: Exchange) -> None:
     caller; what this relay held back (a finish chunk) goes out before it.
     """
     relay = _StreamRelay(exchange)
-    await client.start_stream()
+    await client.start_stream()  # its head leaves with the first write
     frames: list[bytes] = []  # gathered for the next write
     try:
         for event in exchange.take_held():
-            frames.extend(relay.frames(event))
+            relay.add(event, frames)
         while True:
-            # Everything already decoded goes out with what came before it, in one write.
-            while exchange.has_pending():
-                chunk = await exchange.next_chunk()
-                if chunk is None:
-                    break
-                frames.extend(relay.frames(chunk))
+            # Everything already received goes out with what came before it, in one write.
+            while (ready := exchange.next_ready()) is not None:
+                relay.add(ready, frames)
             if frames:
                 writing, frames = frames, []
                 await client.write(b"".join(writing))
             chunk = await exchange.next_chunk()
             if chunk is None:
                 break
-            frames.extend(relay.frames(chunk))
+            relay.add(chunk, frames)
     except BaseException:
         # An error event goes after what was gathered and not yet written, and what the relay
         # held back (a deadline, a shutdown's cut, an engine failure: the caller sends it).
-        client.owed = b"".join([*frames, *relay.finish()])
+        relay.flush(frames)
+        client.owed = b"".join(frames)
         raise
     ticket.finish("completed")
+    relay.flush(frames)
+    frames.append(encode_done())
     with contextlib.suppress(ClientGone):  # it has all it needs but the last bytes
-        await client.end(b"".join([*relay.finish(), encode_done()]))
+        await client.end(b"".join(frames))
 
 
 class _StreamRelay:
@@ -376,46 +376,49 @@ class _StreamRelay:
     them is dropped: vLLM sends it only because IDs were asked for (its IDs are still counted).
     """
 
-    __slots__ = ("_held_finish", "exchange")
+    __slots__ = ("_held_finish", "chat", "exposure", "route")
 
     def __init__(self, exchange: Exchange) -> None:
-        self.exchange = exchange
+        self.exposure = exchange.exposure
+        self.route = exchange.request.route
+        self.chat = self.route == "chat"
         self._held_finish: dict[str, Any] | None = None
 
-    def frames(self, event: ChunkEvent) -> list[bytes]:
-        exposure = self.exchange.exposure
-        chunk = event.chunk
+    def add(self, event: ChunkEvent, out: list[bytes]) -> None:
+        """Append the frames ``event`` gives (none, one, or the held finish and one) to
+        ``out``. Runs once per relayed chunk: kept to the fewest calls."""
+        exposure = self.exposure
         facts = event.facts
-        out: list[bytes] = []
+        chunk = event.chunk
         if facts.usage_only and exposure.drop_usage_chunk:
             if self._held_finish is not None:
                 fingerprint = chunk.get("system_fingerprint")
                 if fingerprint is not None and "system_fingerprint" not in self._held_finish:
                     self._held_finish["system_fingerprint"] = fingerprint
-            return self.finish()
-        route = self.exchange.request.route
+            self.flush(out)
+            return
         if (
             exposure.hide_token_ids
             and facts.has_token_ids
             and not (facts.output or facts.finish)
-            and route == "chat"
+            and self.chat
             and only_hidden_ids(chunk)
         ):
-            return self.finish()  # the engine sends it only because the router asked for IDs
-        out.extend(self.finish())
-        changed = expose(chunk, route, exposure)
+            self.flush(out)  # the engine sends it only because the router asked for IDs
+            return
+        if self._held_finish is not None:
+            self.flush(out)
+        changed = expose(chunk, self.route, exposure)
         if facts.finish and exposure.drop_usage_chunk:
             self._held_finish = chunk
-            return out
-        out.append(encode_data(orjson.dumps(chunk)) if changed else encode_data(event.raw))
-        return out
+            return
+        out.append(encode_data(orjson.dumps(chunk) if changed else event.raw))
 
-    def finish(self) -> list[bytes]:
-        """Flush the held finish chunk, if any."""
-        if self._held_finish is None:
-            return []
-        chunk, self._held_finish = self._held_finish, None
-        return [encode_data(orjson.dumps(chunk))]
+    def flush(self, out: list[bytes]) -> None:
+        """Append the held finish chunk, if any, to ``out``."""
+        if self._held_finish is not None:
+            chunk, self._held_finish = self._held_finish, None
+            out.append(encode_data(orjson.dumps(chunk)))
 
 
 def _learn(router: Router, exchange: Exchange | WholeExchange, decision: Decision) -> None:
