@@ -274,9 +274,9 @@ def test_a_chunk_with_logprobs_or_more_is_not_an_ids_only_chunk() -> None:
 class Replay(httpx.AsyncBaseTransport):
     """A stand-in for vLLM 0.32 that answers the completion routes with a capture.
 
-    It joins like the real one (``/health``, ``/v1/models``, and the token-ID probe, answered
-    with a captured stream that carries IDs); ``answer`` names the capture for every other
-    completion request, whose body is kept in ``requests``.
+    It joins like the real one (``/health``, ``/metrics``, ``/v1/models``, and the token-ID
+    probe, answered with a captured stream that carries IDs); ``answer`` names the capture for
+    every other completion request, whose body is kept in ``requests``.
     """
 
     def __init__(self, answer: Callable[[dict[str, Any]], str]) -> None:
@@ -287,6 +287,8 @@ class Replay(httpx.AsyncBaseTransport):
         path = request.url.path
         if path == "/health":
             return httpx.Response(200)
+        if path == "/metrics":  # no queue gauges: the health poller stops asking
+            return httpx.Response(200, text="")
         if path == "/v1/models":
             name = "models"
         else:
