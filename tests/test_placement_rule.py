@@ -154,6 +154,32 @@ async def test_an_engine_that_stays_busy_past_its_expected_time_loses_the_reques
     queue.close()
 
 
+async def test_an_engine_that_frees_sooner_than_planned_takes_the_waiting_request(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    # A slow engine that is free keeps the dispatcher walking the plan; nobody goes there.
+    a, b, slow = _engine("a"), _engine("b"), _engine("slow", scale=SLOW)
+    pool = EnginePool([a, b, slow])
+    queue = AdmissionQueue(pool, 16)
+    _busy(a, 4000)  # its prefill slot frees at its first token, in about 0.15 s
+    late = _busy(b, 8000)  # expected to keep its slot more than twice as long
+    await nursery.start(queue.run)
+    waiter = _waiter()
+    queue.enqueue(waiter)
+    await trio.testing.wait_all_tasks_blocked()
+    assert waiter.planned is not None and waiter.planned.engine is a
+    await trio.sleep(0.05)
+    late.to_decode()  # b's first token came long before it was expected: b has room now
+    freed_at = trio.current_time()
+    with trio.fail_after(1):
+        await waiter.decided.wait()
+    # Not at a's planned time, nor at the plan's next refresh: the dispatcher saw that b had
+    # room that the plan did not expect, walked the plan again and placed the request there.
+    assert _placed_on(waiter) == "b"
+    assert trio.current_time() == pytest.approx(freed_at + 0.005)
+    queue.close()
+
+
 async def test_a_drifting_engine_counts_its_time_as_longer(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

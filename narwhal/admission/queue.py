@@ -54,6 +54,8 @@ _RECHECK_S = 0.005  # the soonest the dispatcher looks again for a request whose
 # planned time has the plan walked again at once; 0.25 s kept the conversation trace's in-budget
 # share at 2x and 3x and its refusals at 1x as they were with 0.1 s, at 2.5 times fewer walks.
 _REFRESH_S = 0.25
+# A plan at least this old is walked again when an engine has room that it did not expect.
+_EARLY_S = 0.02
 
 
 @attrs.define(eq=False)
@@ -358,6 +360,8 @@ class AdmissionQueue:
             return look_again_at  # nobody can be placed until a slot frees, which wakes us
         plan = self.current_plan()
         overdue = False
+        waited_for: set[Engine] = set()  # the engines the requests left waiting are planned on
+        shortest = math.inf  # and the shortest of their prompts
         for waiter in list(self._waiting):
             # The engine that held its prompt may have left: it may be over context now.
             slot = self._over_context(waiter)
@@ -370,14 +374,33 @@ class AdmissionQueue:
                 else:  # it waits for that engine: look again when it should have room
                     overdue = overdue or waiter.planned_at < now
                     look_again_at = min(look_again_at, max(waiter.planned_at, now + _RECHECK_S))
+                    waited_for.add(chosen.engine)
+                    shortest = min(shortest, waiter.prompt_tokens)
             if slot is not None:
                 self._decide(waiter, slot=slot)
                 self._placed += 1
                 if not any(engine.can_place for engine in pool):
                     break
-        if overdue and plan is self._plan:
-            self._plan = None  # its engine runs late: walk the plan again next time
+        if plan is self._plan and (overdue or self._early(plan, waited_for, shortest, now)):
+            # Its engine runs late, or another has room sooner than planned: walk the plan
+            # again, so that the requests waiting may go elsewhere.
+            self._plan = None
+            look_again_at = min(look_again_at, now + _RECHECK_S)
         return look_again_at
+
+    def _early(self, plan: Plan, waited_for: set[Engine], shortest: float, now: float) -> bool:
+        """Whether an engine has room now that no waiting request is planned on: it freed
+        sooner than the plan expected (the plan is older than :data:`_EARLY_S`), and the
+        requests waiting for slower ones could take it."""
+        if not waited_for or now - plan.built_at < _EARLY_S:
+            return False
+        tokens = int(shortest)
+        return any(
+            engine.can_place
+            and engine not in waited_for
+            and engine.forecast.tpot_with(tokens) <= self.pool.tpot_target_s
+            for engine in self._plan_engines
+        )
 
     def _decide(
         self, waiter: Waiter, *, slot: Slot | None = None, failure: NarwhalError | None = None
