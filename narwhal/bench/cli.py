@@ -13,9 +13,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import orjson
@@ -177,27 +178,7 @@ def _run_probes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         log_dir=args.log_dir,
     )
 
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    try:
-        with _terminate_as_interrupt():
-            report = run_probes(settings, echo=progress)
-    except ServiceError as exc:
-        print(f"narwhal bench probes: {exc}", file=sys.stderr)
-        return 2
-    except BaseException as exc:
-        if not _is_interrupt(exc):
-            raise
-        print("narwhal bench probes: interrupted; its processes are stopped", file=sys.stderr)
-        return 130
-    print(report.render())
-    if args.output is not None:
-        args.output.write_bytes(
-            orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-        )
-        print(f"\nJSON report written to {args.output}")
-    return 0 if report.passed else 1
+    return _run_processes("probes", partial(run_probes, settings), args.output)
 
 
 def _run_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -312,6 +293,45 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Report(Protocol):
+    """What a benchmark of processes reports."""
+
+    @property
+    def passed(self) -> bool: ...
+
+    def render(self) -> str: ...
+
+    def as_json(self) -> dict[str, Any]: ...
+
+
+def _run_processes(name: str, run: Callable[..., _Report], output: Path | None) -> int:
+    """Run a benchmark that starts processes (``run(echo=...)``): progress on stderr, the
+    report on stdout (and as JSON to ``output``); exit 0 when it passed, 1 when not, 2 when a
+    process could not start, 130 when interrupted (its processes are stopped)."""
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        with _terminate_as_interrupt():
+            report = run(echo=progress)
+    except ServiceError as exc:
+        print(f"narwhal bench {name}: {exc}", file=sys.stderr)
+        return 2
+    except BaseException as exc:
+        if not _is_interrupt(exc):
+            raise
+        print(f"narwhal bench {name}: interrupted; its processes are stopped", file=sys.stderr)
+        return 130
+    print(report.render())
+    if output is not None:
+        output.write_bytes(
+            orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        )
+        print(f"\nJSON report written to {output}")
+    return 0 if report.passed else 1
+
+
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """Treat SIGTERM like Ctrl-C while the benchmark runs, so its processes are stopped too."""
@@ -418,27 +438,7 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         log_dir=args.log_dir,
     )
 
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    try:
-        with _terminate_as_interrupt():
-            report = run_overhead(settings, echo=progress)
-    except ServiceError as exc:
-        print(f"narwhal bench overhead: {exc}", file=sys.stderr)
-        return 2
-    except BaseException as exc:
-        if not _is_interrupt(exc):
-            raise
-        print("narwhal bench overhead: interrupted; its processes are stopped", file=sys.stderr)
-        return 130
-    print(report.render())
-    if args.output is not None:
-        args.output.write_bytes(
-            orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-        )
-        print(f"\nJSON report written to {args.output}")
-    return 0 if report.passed else 1
+    return _run_processes("overhead", partial(run_overhead, settings), args.output)
 
 
 # -- narwhal bench projection -------------------------------------------------------------------
