@@ -428,8 +428,15 @@ class Slot:
         engine.slots[slot] = None
         return slot
 
-    def observe_gap(self, gap_s: float, tokens: int) -> None:
-        """Time between two output events of this request, which carried ``tokens`` tokens."""
+    def observe_gap(self, gap_s: float, tokens: int, *, now: float | None = None) -> None:
+        """Output events of this request arrived ``gap_s`` after its last ones (at ``now``,
+        by default the current time), carrying ``tokens`` tokens.
+
+        The relay calls it once per network read (``Exchange.settle``): ``tokens`` is then
+        the tokens of every output event of the read that had a gap (at least one each) and
+        ``gap_s`` the sum of their gaps as the router saw them (the later events of one read
+        came with the first: zero apart).
+        """
         tokens = max(1, tokens)
         engine = self.engine
         if engine.overcommitted:
@@ -440,7 +447,9 @@ class Slot:
         # predicted time per output token is the decode step's, which a step that also
         # prefills exceeds by its prefill chunk (TPOT would read 2 to 4x on a healthy engine
         # under prefill load).
-        if engine.prefill == 0 and engine.prefill_seen_at <= trio.current_time() - gap_s:
+        if now is None:
+            now = trio.current_time()
+        if engine.prefill == 0 and engine.prefill_seen_at <= now - gap_s:
             self.gaps_observed_s += gap_s
             self.gaps_predicted_s += forecast.tpot_s() * tokens
             self.gap_tokens += tokens
@@ -487,14 +496,15 @@ class Slot:
         # A prefill slot is free now: a queued request may be placeable.
         engine.pool_changed()
 
-    def generated(self, tokens: int) -> None:
-        """Output tokens arrived: the request's context grew."""
+    def generated(self, tokens: int, *, now: float | None = None) -> None:
+        """Output tokens arrived (at ``now``, by default the current time): the request's
+        context grew. The relay calls it once per network read, with the read's tokens."""
         self.generated_tokens += tokens
         if self.phase == "decode" and tokens:
             self.context_tokens += tokens
             forecast = self.engine.forecast
             forecast.generated(tokens)
-            forecast.saw_step(trio.current_time())
+            forecast.saw_step(trio.current_time() if now is None else now)
 
     def __enter__(self) -> Slot:
         return self

@@ -65,7 +65,10 @@ to the pool. An engine that idles instead holds its connection (and a pool slot)
 class Measurements:
     """What a request taught us: TTFT, inter-token gaps, output tokens (by ID where known).
 
-    ``predicted_ttft`` is the forecast at placement (from arrival).
+    ``predicted_ttft`` is the forecast at placement (from arrival). ``gaps`` holds one entry
+    per network read that carried output after the first: ``(gap, events)``, the time since
+    the last output and how many output events came with it (the first of them ``gap`` after
+    the last output, the others with it, zero apart).
     """
 
     arrival: float
@@ -78,7 +81,7 @@ class Measurements:
     prompt_tokens_reported: int | None = None
     completion_tokens_reported: int | None = None
     usage_seen: bool = False
-    gaps: list[float] = attrs.field(factory=list)
+    gaps: list[tuple[float, int]] = attrs.field(factory=list)
     answered_at: float | None = None  # a non-streaming answer's arrival (no first token seen)
 
     @property
@@ -105,7 +108,13 @@ class Measurements:
 
 @attrs.define(eq=False)
 class Exchange:
-    """An open upstream stream on the engine that will answer, with its held events."""
+    """An open upstream stream on the engine that will answer, with its held events.
+
+    Each chunk is observed as it is taken (:meth:`observe`); what the chunks of one network
+    read teach the slot and its engine's forecast (the gap before them, the tokens they
+    carried, the step they ended) is applied once, for the read, by :meth:`settle`, which
+    :meth:`next_ready` and :meth:`next_chunk` call when a read is next.
+    """
 
     request: CompletionRequest
     engine: Engine
@@ -115,31 +124,75 @@ class Exchange:
     measurements: Measurements
     held: list[ChunkEvent] = attrs.field(factory=list)
     finished: bool = False
+    # The read being observed, until settled: when its first chunk was taken (``None``: no
+    # chunk since the last settle), the gap before its output events, their count (each
+    # after a previous output) and tokens (at least one each), and the tokens it generated.
+    _read_at: float | None = None
+    _gap_s: float = 0.0
+    _gap_events: int = 0
+    _gap_tokens: int = 0
+    _generated: int = 0
 
     def observe(self, event: ChunkEvent) -> None:
-        """Record what a chunk tells us: the first output (prefill -> decode), gaps, tokens."""
+        """Record what a chunk tells us: the first output (prefill -> decode), gaps, tokens.
+
+        Runs once per chunk, kept to counting: the slot and the forecast learn once per
+        read (:meth:`settle`). The first output event is the exception: the slot turns to
+        decode (and the TTFT is taught) at once.
+        """
         facts = event.facts
+        tokens = facts.token_ids
+        measured = self.measurements
+        now = self._read_at
+        if now is None:
+            now = self._read_at = trio.current_time()
         if facts.output:
-            now = trio.current_time()
-            measured = self.measurements
             if measured.first_output_at is None:
-                measured.first_output_at = now
-                measured.predicted_ttft = self.slot.predicted_first_token_at - measured.arrival
-                self.slot.to_decode()
-                if measured.on_first_output is not None:
-                    measured.on_first_output(now - measured.arrival)
-            elif measured.last_output_at is not None:
-                gap = now - measured.last_output_at
-                measured.gaps.append(gap)
-                self.slot.observe_gap(gap, facts.token_ids)
+                self._first_output(now)
+            else:
+                if not self._gap_events:
+                    last = measured.last_output_at
+                    self._gap_s = 0.0 if last is None else now - last
+                self._gap_events += 1
+                self._gap_tokens += tokens or 1
             measured.last_output_at = now
             measured.output_events += 1
-        self.measurements.output_tokens += facts.token_ids
-        self.slot.generated(facts.token_ids or int(facts.output))
+            self._generated += tokens or 1
+        else:
+            self._generated += tokens
+        measured.output_tokens += tokens
         if facts.usage:
-            self.measurements.count_usage(event.chunk["usage"])
+            measured.count_usage(event.chunk["usage"])
         if facts.finish:
             self.finished = True
+
+    def _first_output(self, now: float) -> None:
+        measured = self.measurements
+        measured.first_output_at = now
+        measured.predicted_ttft = self.slot.predicted_first_token_at - measured.arrival
+        if self._generated:  # tokens before the first output were generated in prefill
+            self.slot.generated(self._generated, now=now)
+            self._generated = 0
+        self.slot.to_decode()
+        if measured.on_first_output is not None:
+            measured.on_first_output(now - measured.arrival)
+
+    def settle(self) -> None:
+        """Teach the slot (and through it the forecast and drift) what the chunks observed
+        since the last settle taught: their output events' gap and tokens, and the tokens
+        generated, at the time the read's first chunk was taken. Idempotent."""
+        now = self._read_at
+        if now is None:
+            return
+        self._read_at = None
+        slot = self.slot
+        if self._gap_events:
+            self.measurements.gaps.append((self._gap_s, self._gap_events))
+            slot.observe_gap(self._gap_s, self._gap_tokens, now=now)
+            self._gap_events = self._gap_tokens = 0
+        if self._generated:
+            slot.generated(self._generated, now=now)
+            self._generated = 0
 
     async def next_chunk(self) -> ChunkEvent | None:
         """The next chunk, observed; ``None`` at the end of a complete stream.
@@ -154,6 +207,7 @@ class Exchange:
                 finished.
             EngineResponseError: a malformed event or a token-ID violation.
         """
+        self.settle()
         if self.complete:
             return await self._after_complete()
         event = await self.stream.next_event()
@@ -171,7 +225,9 @@ class Exchange:
         end of the stream or the wait after a complete answer is next (:meth:`next_chunk`).
 
         The relay's fast path: a network read often completes many events, and this takes
-        each without an ``await``.
+        each without an ``await``. The chunks it takes are observed as one read with the
+        chunk taken before them: when it returns ``None``, the read is settled
+        (:meth:`settle`).
 
         Raises:
             EngineRejectedRequest: an in-band error frame whose ``code`` is a 4xx status.
@@ -179,11 +235,18 @@ class Exchange:
             EngineResponseError: a malformed event or a token-ID violation.
         """
         if self.complete:
+            self.settle()
             return None
-        event = self.stream.next_ready()
+        try:
+            event = self.stream.next_ready()
+        except BaseException:
+            self.settle()  # what came before the malformed event still teaches
+            raise
         if event is None:
+            self.settle()
             return None
         if isinstance(event, ErrorFrameEvent):
+            self.settle()
             raise self._frame_error(event)
         self.observe(event)
         return event
@@ -288,7 +351,11 @@ async def open_exchange(
             measurements = Measurements(arrival, on_first_output)
             return await _attempt(held, attempt_slot, request, measurements, headers)
 
-        yield await with_one_retry(held, pool, request, slot, attempt, headers=headers)
+        exchange = await with_one_retry(held, pool, request, slot, attempt, headers=headers)
+        try:
+            yield exchange
+        finally:
+            exchange.settle()  # the last read teaches too, however the block ended
 
 
 async def with_one_retry(

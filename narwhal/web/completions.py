@@ -323,7 +323,12 @@ async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, 
     )
     for event in exchange.take_held():
         assembler.feed(event.chunk)
-    while (chunk := await exchange.next_chunk()) is not None:
+    while True:
+        while (ready := exchange.next_ready()) is not None:  # one read, observed as one
+            assembler.feed(ready.chunk)
+        chunk = await exchange.next_chunk()
+        if chunk is None:
+            break
         assembler.feed(chunk.chunk)
     return assembler.result()
 
@@ -428,8 +433,14 @@ def _learn(router: Router, exchange: Exchange | WholeExchange, decision: Decisio
     metrics = router.metrics
     served = Served(exchange.engine.name, measured.ttft, measured.predicted_ttft)
     router.observers.served(decision, served)
-    for gap in measured.gaps:
+    # One observation per output event after the first: each read's gap, and zero for the
+    # events that came with it.
+    together = 0
+    for gap, events in measured.gaps:
         metrics.inter_token_gap.observe(gap)
+        together += events - 1
+    if together:
+        metrics.inter_token_gap.observe(0.0, together)
     produced = measured.output_tokens or measured.completion_tokens_reported
     if produced is not None and exchange.finished:
         request = exchange.request

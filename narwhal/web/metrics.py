@@ -7,12 +7,20 @@ never disagree. Only the latency histograms are observed per request.
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from narwhal.admission.accounting import TERMINAL_CLASSES
 from narwhal.admission.observer import Decision, Served
@@ -99,6 +107,41 @@ class _RouterCollector(Collector):
         yield factor
         yield from _monitoring(self._router, stats.engines)
         yield from _control(self._router, stats.state)
+
+
+class CountingHistogram(Collector):
+    """A histogram observed many times at once (:meth:`observe` with a count), exposed as
+    ``prometheus-client``'s own histograms are (buckets, count, sum, created).
+
+    For the inter-token gaps, observed per output event: the events one network read
+    delivered are one observation of the gap before them and one of zero for each of the
+    others, which come with it. Observed on the router's one Trio thread only.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = buckets
+        self._counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        self._created = time.time()
+
+    def observe(self, amount: float, count: int = 1) -> None:
+        """Observe ``amount``, ``count`` times."""
+        self._counts[bisect_left(self._bounds, amount)] += count
+        self._sum += amount * count
+
+    def collect(self) -> Iterator[Metric]:
+        cumulative, total = [], 0
+        labels = [*(repr(float(bound)) for bound in self._bounds), "+Inf"]  # as Histogram's
+        for label, count in zip(labels, self._counts, strict=True):
+            total += count
+            cumulative.append((label, float(total)))
+        family = HistogramMetricFamily(
+            self._name, self._documentation, buckets=cumulative, sum_value=self._sum
+        )
+        family.samples.append(Sample(f"{self._name}_created", {}, self._created))
+        yield family
 
 
 _ROUTER_STATES = get_args(RouterState)
@@ -209,12 +252,12 @@ class Metrics:
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
-        self.inter_token_gap = Histogram(
+        self.inter_token_gap = CountingHistogram(
             "narwhal_inter_token_gap_seconds",
             "Time between two output events of one stream",
-            buckets=_GAP_BUCKETS,
-            registry=self.registry,
+            _GAP_BUCKETS,
         )
+        self.registry.register(self.inter_token_gap)
 
         self.queue_wait = Histogram(
             "narwhal_queue_wait_seconds",
