@@ -163,12 +163,23 @@ async def test_an_engine_that_frees_sooner_than_planned_takes_the_waiting_reques
     queue = AdmissionQueue(pool, 16)
     _busy(a, 4000)  # its prefill slot frees at its first token, in about 0.15 s
     late = _busy(b, 8000)  # expected to keep its slot more than twice as long
+    walks = 0
+    walk = queue.plan
+
+    def counted() -> Plan:
+        nonlocal walks
+        walks += 1
+        return walk()
+
+    queue.plan = counted  # type: ignore[method-assign]
     await nursery.start(queue.run)
     waiter = _waiter()
     queue.enqueue(waiter)
     await trio.testing.wait_all_tasks_blocked()
     assert waiter.planned is not None and waiter.planned.engine is a
     await trio.sleep(0.05)
+    # The slow engine is free and the plan knew it: no reason to walk the plan again.
+    assert walks == 1
     late.to_decode()  # b's first token came long before it was expected: b has room now
     freed_at = trio.current_time()
     with trio.fail_after(1):

@@ -389,17 +389,20 @@ class AdmissionQueue:
         return look_again_at
 
     def _early(self, plan: Plan, waited_for: set[Engine], shortest: float, now: float) -> bool:
-        """Whether an engine has room now that no waiting request is planned on: it freed
-        sooner than the plan expected (the plan is older than :data:`_EARLY_S`), and the
-        requests waiting for slower ones could take it."""
+        """Whether an engine has room now that the plan did not expect it to have yet, and no
+        waiting request is planned on it: it freed sooner than planned, and the requests
+        waiting for others might take it (the plan is at least :data:`_EARLY_S` old). An
+        engine the plan knew to be free, and chose for nobody, is no reason to walk it again."""
         if not waited_for or now - plan.built_at < _EARLY_S:
             return False
         tokens = int(shortest)
         return any(
             engine.can_place
             and engine not in waited_for
+            and planned.placement() > now
             and engine.forecast.tpot_with(tokens) <= self.pool.tpot_target_s
-            for engine in self._plan_engines
+            for planned in plan.engines
+            for engine in [planned.engine]
         )
 
     def _decide(
