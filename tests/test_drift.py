@@ -157,3 +157,22 @@ def test_severe_drift_the_forecast_does_not_share_only_penalises() -> None:
         drifting.observe_ttft(0.5, 0.1)
     assert drifting.drift.state == "severe" and drifting.learned_slowdown == 1.0
     assert drifting.eligible and drifting.placement_penalty > 3
+
+
+def test_a_decode_scale_risen_beside_heavy_prefill_does_not_vouch_for_a_ttft_hold() -> None:
+    # Under heavy prefill the decode scale learned from every gap rises (the steps also
+    # prefill), while the gaps of steps that only decoded show no TPOT drift: a severe TTFT
+    # ratio is then the forecast's queueing error, and only penalises.
+    drifting, _ = pool_of(2)
+    drifting.forecast.decode_scale = 2 * drifting.profiled_decode_scale
+    for _ in range(20):
+        drifting.observe_ttft(0.5, 0.1)
+        # 10 ms predicted at the learned (doubled) decode scale: 5.5 ms is the profiling's.
+        drifting.observe_tpot(0.0055, 0.01)
+    assert drifting.drift.state == "severe" and drifting.learned_slowdown == 1.0
+    assert drifting.eligible and not drifting.held_for_drift
+    # Where the TPOT drift shows the slowdown too, the decode scale vouches for it.
+    for _ in range(20):
+        drifting.observe_tpot(0.02, 0.01)
+    assert drifting.learned_slowdown == pytest.approx(2.0)
+    assert drifting.held_for_drift and not drifting.eligible

@@ -390,17 +390,19 @@ class AdmissionQueue:
 
     def _early(self, plan: Plan, waited_for: set[Engine], shortest: float, now: float) -> bool:
         """Whether an engine has room now that the plan did not expect it to have yet, and no
-        waiting request is planned on it: it freed sooner than planned, and the requests
-        waiting for others might take it (the plan is at least :data:`_EARLY_S` old). An
-        engine the plan knew to be free, and chose for nobody, is no reason to walk it again."""
+        waiting request is planned on it: it freed sooner than planned, or its time per output
+        token has come back inside the target, and the requests waiting for others might take
+        it (the plan is at least :data:`_EARLY_S` old). An engine the plan knew to be free and
+        fast enough, and chose for nobody, is no reason to walk it again."""
         if not waited_for or now - plan.built_at < _EARLY_S:
             return False
         tokens = int(shortest)
+        target = self.pool.tpot_target_s
         return any(
             engine.can_place
             and engine not in waited_for
-            and planned.placement() > now
-            and engine.forecast.tpot_with(tokens) <= self.pool.tpot_target_s
+            and engine.forecast.tpot_with(tokens) <= target
+            and (planned.placement() > now or planned.tpot_with(tokens) > target)
             for planned in plan.engines
             for engine in [planned.engine]
         )

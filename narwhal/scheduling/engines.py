@@ -222,12 +222,25 @@ class Engine:
 
     @property
     def learned_slowdown(self) -> float:
-        """How much slower than its last profiling the forecast has learned the engine to be:
-        the larger of the prefill and the decode scale over the profiling's (1.0: as measured)."""
-        return max(
-            self.forecast.scale / self.profiled_scale,
-            self.forecast.decode_scale / self.profiled_decode_scale,
-        )
+        """How much slower than its last profiling the forecast has learned the engine to be,
+        as far as drift shows it: the prefill scale over the profiling's where the time to first
+        token drifts severely, the decode scale's where the time per output token drifts (the
+        larger; of both while neither drifts severely; 1.0: as measured)."""
+        drift = self.drift
+        prefill = self.forecast.scale / self.profiled_scale
+        decode = self.forecast.decode_scale / self.profiled_decode_scale
+        ttft, tpot = drift.ttft, drift.tpot
+        ttft_severe = ttft.samples >= drift.warm_up and ttft.far_above >= drift.sustain
+        tpot_severe = tpot.samples >= drift.warm_up and tpot.far_above >= drift.sustain
+        if not (ttft_severe or tpot_severe):
+            return max(prefill, decode)
+        learned = [prefill] if ttft_severe else []
+        # The decode scale is learned from every gap, those of steps that also prefilled
+        # included: it vouches for a slowdown only where the gaps of steps that only decoded
+        # (the TPOT drift) show one too.
+        if tpot.samples >= drift.warm_up and tpot.above >= drift.sustain:
+            learned.append(decode)
+        return max(learned, default=1.0)
 
     def hold_for_drift(self) -> Change | None:
         """Take the engine out of placement while its drift is severe, until it is re-profiled
@@ -235,9 +248,12 @@ class Engine:
 
         Never the last eligible engine of its pool (a slow engine serving is better than
         none), and only once the forecast has learned the engine itself slower than its
-        profiling by the sustained threshold (:attr:`learned_slowdown`): a severe ratio the
-        forecast's speed does not share is the forecast's error (its queueing under a load it
-        models badly), which a re-profiling would not change; the penalty answers that.
+        profiling by the sustained threshold, in the phase that drifts
+        (:attr:`learned_slowdown`): a severe ratio the forecast's speed does not share is the
+        forecast's error (its queueing under a load it models badly), which a re-profiling
+        would not change; the penalty answers that. A time to first token three times its
+        prediction does not hold an engine whose decode steps merely run slower beside heavy
+        prefill (the decode scale learned from them rises; its prefill scale does not).
         """
         if self.drift.state != "severe" or not self.eligible or not self.others_eligible(self):
             return None
