@@ -37,6 +37,7 @@ import contextvars
 import ctypes
 import gc
 import logging
+import math
 import os
 import random
 import time
@@ -970,6 +971,11 @@ class MemoryResult:
         return {**attrs.asdict(self), "added": self.added}
 
 
+# How long (virtual seconds) the memory run may take to hold every request: far more than the
+# engines need to take their share; past it, something keeps them from filling.
+_MEMORY_FILL_S = 600.0
+
+
 def measure_memory(job: MemoryJob) -> MemoryResult:
     """Fill the router's retention and queue limits and measure this process's resident memory.
 
@@ -1009,6 +1015,10 @@ async def _memory(job: MemoryJob) -> MemoryResult:
         prefill_concurrency=per_engine,
         decode_concurrency=per_engine,
         admission_wait_s=3600.0,
+        # Every placed request is to be held, however large the batches: the TPOT target would
+        # keep a batch below ``per_engine`` (with the decode step's batch slope fitted by
+        # profiling, it does), and the queue would never fill.
+        tpot_target_s=math.inf,
     )
     config = attrs.evolve(
         setup.router,
@@ -1035,11 +1045,18 @@ async def _memory(job: MemoryJob) -> MemoryResult:
                 body = chat_body(model, row, max_tokens=setup.max_tokens, extra=stall)
                 nursery.start_soon(_send, fleet, row, body, origin, sink)
             router = fleet.router
+            filled_by = trio.current_time() + _MEMORY_FILL_S
             while True:
                 stats = router.statistics()
                 held = sum(e.prefill + e.decode for e in stats.engines)
                 if stats.retention.in_use >= job.retained and stats.queue.depth >= job.queued:
                     break
+                if trio.current_time() > filled_by:
+                    raise RuntimeError(
+                        f"the memory run did not fill in {_MEMORY_FILL_S:g} virtual seconds: "
+                        f"{stats.retention.in_use} of {job.retained} retained, "
+                        f"{stats.queue.depth} of {job.queued} queued, {held} placed"
+                    )
                 await trio.sleep(0.01)
             holding = _rss()
             result = MemoryResult(

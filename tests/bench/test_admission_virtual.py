@@ -170,6 +170,15 @@ def test_memory_measurement_fills_the_retention_and_queue_limits() -> None:
     assert result.before > 0 and result.holding > 0
 
 
+def test_memory_measurement_fills_even_where_the_tpot_target_would_bind() -> None:
+    # The router's TPOT target keeps a batch below its limit (a fitted batch slope makes the
+    # predicted step grow fast); the memory run is to hold every request all the same.
+    router = default_router()
+    router = attrs.evolve(router, admission=attrs.evolve(router.admission, tpot_target_s=0.001))
+    result = measure_memory(MemoryJob(attrs.evolve(SETUP, router=router), retained=40, queued=8))
+    assert (result.retained, result.queued, result.placed) == (40, 8, 32)
+
+
 def test_coalescing_engine_sends_the_first_token_alone() -> None:
     engine = CoalescingSimEngine(
         "m", timing=profile("h100-llama3-8b"), tokens_per_chunk=16, name="e"
