@@ -22,7 +22,7 @@ import httpx
 import pytest
 import trio
 
-from narwhal.config import Config, ControlConfig, EngineConfig, ServingConfig
+from narwhal.config import Config, ControlConfig, EngineConfig, MonitoringConfig, ServingConfig
 from narwhal.demo import demo_transports
 from narwhal.server import CLOSE_GRACE_S, CUT_GRACE_S, serve
 from tests.support import sse_payloads
@@ -62,6 +62,10 @@ def config(**serving: Any) -> Config:
             EngineConfig(name="sim-b", url="http://sim-b.invalid"),
         ),
         control=control,
+        # The simulated engines run in the router's own loop, on the real clock: on a busy
+        # machine their steps are the loop's lag, and these tests are not about the watchdog
+        # (tests/control/test_watchdog.py is).
+        monitoring=MonitoringConfig(lag_sustain_s=3600.0),
     )
 
 

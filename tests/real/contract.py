@@ -10,6 +10,7 @@ itself (an unknown model) are its own words.
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -242,4 +243,65 @@ def compare(case: Case, direct: Answer, routed: Answer) -> list[str]:
     expected, actual = normalise(direct.body), normalise(routed.body)
     if direct.streamed:
         expected, actual = by_choice(expected), by_choice(actual)
+        return [*found, *stream_differences(expected, actual)]
     return [*found, *differences(expected, actual)]
+
+
+# Where a stream chunk's choice carries its tokens. vLLM puts what each step produced in one
+# chunk, and merges the outputs of several steps into one chunk when its consumer lags (a
+# loaded machine): two runs of one request may then split the same tokens differently.
+_TOKEN_PATHS: tuple[tuple[str, ...], ...] = (
+    ("delta", "content"),
+    ("delta", "reasoning_content"),
+    ("delta", "reasoning"),
+    ("text",),
+    ("token_ids",),
+    ("logprobs", "content"),
+    ("logprobs", "tokens"),
+    ("logprobs", "token_logprobs"),
+    ("logprobs", "top_logprobs"),
+    ("logprobs", "text_offset"),
+)
+
+
+def _take_tokens(chunk: Any) -> tuple[Any, dict[str, Any]]:
+    """``chunk`` without its tokens, and the tokens it carried (by path)."""
+    rest = copy.deepcopy(chunk)
+    tokens: dict[str, Any] = {}
+    choices = rest.get("choices") if isinstance(rest, dict) else None
+    if not (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)):
+        return rest, tokens
+    for path in _TOKEN_PATHS:
+        holder = choices[0]
+        for key in path[:-1]:
+            holder = holder.get(key) if isinstance(holder, dict) else None
+        if isinstance(holder, dict) and holder.get(path[-1]) is not None:
+            tokens[".".join(path)] = holder.pop(path[-1])
+    return rest, tokens
+
+
+def coalesced(lane: list[Any]) -> dict[str, Any]:
+    """A choice's chunks as vLLM's coalescing cannot change them: the first and the last chunk
+    without their tokens, and every token field concatenated over the chunks."""
+    parts = [_take_tokens(chunk) for chunk in lane]
+    tokens: dict[str, Any] = {}
+    for _, carried in parts:
+        for path, value in carried.items():
+            tokens[path] = tokens[path] + value if path in tokens else value
+    return {"first": parts[0][0], "last": parts[-1][0], "tokens": tokens} if parts else {}
+
+
+def stream_differences(expected: dict[Any, list[Any]], actual: dict[Any, list[Any]]) -> list[str]:
+    """Where two streams' choices differ, chunk for chunk; where they differ only in how
+    vLLM split the same tokens into chunks (see :data:`_TOKEN_PATHS`), nothing."""
+    found = differences(expected, actual)
+    lanes = (expected, actual)
+    if not found or expected.keys() != actual.keys():
+        return found
+    if not all(isinstance(chunks, list) for side in lanes for chunks in side.values()):
+        return found  # not two streams (an error's fields)
+    merged = differences(
+        {lane: coalesced(chunks) for lane, chunks in expected.items()},
+        {lane: coalesced(chunks) for lane, chunks in actual.items()},
+    )
+    return [f"(coalesced) {line}" for line in merged]

@@ -31,6 +31,7 @@ from tests.real.contract import (
     differences,
     normalise,
     send,
+    stream_differences,
 )
 from tests.real.servers import metric
 
@@ -196,7 +197,7 @@ def test_openai_client_sees_what_vllm_gives(
     before = httpx.get(f"{vllm_url}/metrics").text
     actual = normalise(sdk_call(to_narwhal, case))
     after = httpx.get(f"{vllm_url}/metrics").text
-    found = differences(expected, actual)
+    found = stream_differences(expected, actual) if case.stream else differences(expected, actual)
     assert not found, f"{case.name} differs from vLLM:\n" + "\n".join(found)
     if not case.own_error:  # one SDK call is one POST at the engine: nothing was retried
         posts = metric(after, "http_requests_total", handler=case.route) - metric(
