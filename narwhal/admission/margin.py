@@ -137,7 +137,6 @@ class WaitFactors:
 
     def factor(self, wait_s: float, budget_s: float) -> float:
         """The factor for a predicted wait of ``wait_s`` under ``budget_s``."""
-        prior = self.prior
         index = self.band(wait_s, budget_s)
         if index is None:
             index = 0
@@ -149,10 +148,10 @@ class WaitFactors:
                     return ratios.factor
                 # Shorter waits have the larger relative errors: what they teach may make a
                 # longer wait's caution less than the prior, never more.
-                return min(prior, ratios.factor * _LADDER**climbed)
+                return min(self.prior, ratios.factor * _LADDER**climbed)
             index -= 1
             climbed += 1
-        return prior
+        return self.prior
 
     def add(self, wait_s: float, budget_s: float, ratio: float) -> None:
         """A request predicted to wait ``wait_s`` waited ``ratio`` times that."""
@@ -174,10 +173,6 @@ def _compute_waits() -> WaitFactors:
     # The prefills ahead are prompts of known sizes, predicted as the own prefill is (prior
     # 1.25); their errors add up along a queue, and partly cancel.
     return WaitFactors(prior=1.5)
-
-
-def _seat_waits() -> WaitFactors:
-    return WaitFactors(prior=2.0)
 
 
 @attrs.define
@@ -202,7 +197,7 @@ class SafetyMargin:
     """
 
     waits: WaitFactors = attrs.field(factory=_compute_waits)
-    seats: WaitFactors = attrs.field(factory=_seat_waits)
+    seats: WaitFactors = attrs.field(factory=WaitFactors)  # prior 2
     every: Ratios = attrs.field(factory=_wait_ratios)
     own: Ratios = attrs.field(factory=_own_ratios)
     own_bias: Ratios = attrs.field(factory=_bias_ratios)
