@@ -222,13 +222,20 @@ class EnginePlan:
             at = self._at = max(self.now, self.next_seat(), self.prefill_free[0])
         return at
 
-    def earliest_first_token(self, tokens: int) -> float:
-        """A lower bound of :meth:`first_token`: its prefill starts no earlier than the
-        placement and the compute ahead, and takes at least its own tokens' compute."""
+    def start(self) -> float:
+        """When the next request's prefill could start here: once it is placed, after the
+        compute ahead of it."""
+        return max(self.placement(), self.backlog.free_at)
+
+    def _compute_s(self, tokens: int) -> float:
+        """A prompt's own prefill compute here, alone (no step overhead beside it)."""
         forecast = self.forecast
-        start = max(self.placement(), self.backlog.free_at)
-        own_s = forecast.profile.prefill_chunk_ms(0, tokens) / 1000 * forecast.scale
-        return start + own_s + forecast.latency_s
+        return forecast.profile.prefill_chunk_ms(0, tokens) / 1000 * forecast.scale
+
+    def earliest_first_token(self, tokens: int) -> float:
+        """A lower bound of :meth:`first_token`: its prefill starts no earlier than
+        :meth:`start`, and takes at least its own tokens' compute."""
+        return self.start() + self._compute_s(tokens) + self.forecast.latency_s
 
     def seat_wait(self) -> float:
         """How much of the next request's wait here depends on the running requests: how much
@@ -236,8 +243,7 @@ class EnginePlan:
         start. That is the wait for a seat, which frees only when a running request's output
         ends, and the decode steps the prefills ahead run beside: the least predictable part
         of a wait (:class:`~narwhal.admission.margin.SafetyMargin` learns its error apart)."""
-        start = max(self.placement(), self.backlog.free_at)
-        return max(0.0, start - max(self.now, self.compute_free))
+        return max(0.0, self.start() - max(self.now, self.compute_free))
 
     def tpot_with(self, tokens: int) -> float:
         """Predicted time per output token there with one more sequence of ``tokens`` (judged
@@ -259,8 +265,7 @@ class EnginePlan:
             heapq.heappush(self.prefill_free, at)
             return
         forecast = self.forecast
-        own_s = forecast.profile.prefill_chunk_ms(0, waiter.prompt_tokens) / 1000 * forecast.scale
-        self.compute_free = max(self.now, self.compute_free) + own_s
+        self.compute_free = max(self.now, self.compute_free) + self._compute_s(waiter.prompt_tokens)
         self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog, self.decoding)
         sequences, context = self.decoding
         self.decoding = (sequences + 1, context + waiter.prompt_tokens)  # it decodes next

@@ -120,7 +120,7 @@ def project(
     if chosen is None:
         return None
     first_token_at = chosen.first_token(request.prompt_tokens)
-    start = max(chosen.placement(), chosen.backlog.free_at)
+    start = chosen.start()
     seat_s = min(chosen.seat_wait(), start - now)
     alone = min(
         p.engine.forecast.standalone_s(request.prompt_tokens)
