@@ -148,6 +148,13 @@ class ServingConfig:
     # HOST:PORT of the probe listener (narwhal.web.probes): /health and /ready answered from
     # their own thread, whatever the event loop is doing. Empty: none.
     probe_bind: str = attrs.field(default="", validator=_optional_bind)
+    # Relay worker processes under one admission controller (narwhal.workers): 1 serves in one
+    # process, as embedded.
+    workers: int = attrs.field(default=1, validator=_positive)
+    # The controller's Unix socket path: where the relay workers reach it (``narwhal serve``
+    # makes a private one when empty; ``narwhal controller`` and Hypercorn's own workers
+    # need it set).
+    controller_socket: str = ""
 
 
 @attrs.frozen
