@@ -6,21 +6,24 @@ embedders can build one from a :class:`~narwhal.config.Config` and a set of tran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import httpx
 import trio
 
-from narwhal.admission.accounting import Accounting, AccountingStatistics
+from narwhal.admission.accounting import Accounting, AccountingStatistics, Ticket
 from narwhal.admission.limits import RetentionLimit, RetentionStatistics
 from narwhal.admission.margin import SafetyMargin
-from narwhal.admission.observer import Observers
-from narwhal.admission.queue import AdmissionQueue, QueueStatistics
+from narwhal.admission.observer import Decision, Observers, Served, Verdict
+from narwhal.admission.predictor import judge, project
+from narwhal.admission.queue import AdmissionQueue, QueueStatistics, Waiter
 from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config, ConfigError
 from narwhal.control.lease import Lease, LeaseStatistics, open_lease
@@ -28,7 +31,7 @@ from narwhal.control.maintenance import Maintenance
 from narwhal.control.state import ControlState, RouterState
 from narwhal.control.watchdog import Watchdog
 from narwhal.errors import Unavailable
-from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics
+from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics, Slot
 from narwhal.scheduling.forecast import PrefillForecast
 from narwhal.scheduling.health import EngineHealth
 from narwhal.scheduling.lengths import OutputLengths
@@ -37,7 +40,20 @@ from narwhal.upstream.client import EngineClient
 from narwhal.upstream.health import HealthPoller, client_of
 from narwhal.web.metrics import Metrics
 
-__all__ = ["LiveRequest", "Router", "RouterState", "RouterStatistics"]
+if TYPE_CHECKING:
+    from narwhal.upstream.exchange import Exchange
+    from narwhal.upstream.whole import WholeExchange
+
+__all__ = [
+    "LiveRequest",
+    "Placed",
+    "Router",
+    "RouterBase",
+    "RouterState",
+    "RouterStatistics",
+    "build_engines",
+    "refuse_unless_active",
+]
 
 
 @attrs.define(eq=False)
@@ -51,6 +67,23 @@ class LiveRequest:
     request_id: str
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     cut: bool = False
+
+
+@attrs.frozen
+class Placed:
+    """An admitted request's placement, while the request holds it.
+
+    Attributes:
+        slot: its place on an engine.
+        decision: what admission decided and why (``None`` in a relay worker: the controller
+            holds it, :mod:`narwhal.workers`).
+        teach: what to call with the TTFT when the first output event arrives (the safety
+            margin learns how the projection fared), or ``None``.
+    """
+
+    slot: Slot
+    decision: Decision | None = None
+    teach: Callable[[float], None] | None = None
 
 
 @attrs.frozen
@@ -106,6 +139,60 @@ class RouterStatistics:
         }
 
 
+_E = TypeVar("_E", bound=Engine)
+
+
+def build_engines(
+    config: Config,
+    kind: type[_E],
+    transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
+    **extra: Any,
+) -> list[_E]:
+    """The configured engines, each with its client, limits, prior forecast and health, as
+    ``kind`` (:class:`~narwhal.scheduling.engines.Engine`, or a relay worker's mirror of
+    one); ``extra`` goes to each."""
+    transports = transports or {}
+    admission = config.admission
+    engines = []
+    for engine in config.engines:
+        prefill = engine.prefill_concurrency or admission.prefill_concurrency
+        client = EngineClient(engine, config.upstream, transport=transports.get(engine.name))
+        engines.append(
+            kind(
+                engine,
+                client,
+                prefill_limit=prefill,
+                decode_limit=engine.decode_concurrency or admission.decode_concurrency,
+                forecast=PrefillForecast(get_profile(engine.profile), prefill_limit=prefill),
+                health=EngineHealth(
+                    failure_threshold=config.monitoring.failure_threshold,
+                    open_s=config.monitoring.breaker_open_s,
+                ),
+                **extra,
+            )
+        )
+    return engines
+
+
+def refuse_unless_active(state: str) -> None:
+    """Raise what a request gets from a router in ``state``, unless it is active.
+
+    Raises:
+        Unavailable: 503 with ``router_<state>`` while standby, fenced, in maintenance,
+            monitoring-degraded or draining.
+    """
+    if state == "draining":
+        raise Unavailable(
+            "This router is shutting down and admits no requests; retry on another.",
+            code="router_draining",
+        )
+    if state != "active":
+        raise Unavailable(
+            f"This router is {state.replace('_', '-')} and admits no requests; retry shortly.",
+            code=f"router_{state}",
+        )
+
+
 def _never() -> bool:
     return False
 
@@ -115,8 +202,154 @@ def _identity(config: Config) -> str:
     return f"{socket.gethostname()} pid {os.getpid()} ({config.serving.bind})"
 
 
-class Router:
-    """Engines, books and metrics of one Narwhal process.
+class RouterBase:
+    """What the request path (:mod:`narwhal.web.completions`) and the server's shutdown ask of
+    a router, whoever holds the books.
+
+    :class:`Router` holds everything in this process (the default, and the admission
+    controller of relay workers); a relay worker's :class:`~narwhal.workers.worker.WorkerRouter`
+    holds only its own requests and asks the controller for the rest. What every request
+    passes through is one method here, so that the two cannot drift apart: the request's
+    ticket in the books (:meth:`offer`), its HTTP retention slot (:meth:`retain`), its
+    admission and placement (:meth:`placement`), and what it taught (:meth:`learn`).
+    """
+
+    config: Config
+    pool: EnginePool
+    sizer: Sizer
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._live: set[LiveRequest] = set()
+        self._idle = trio.Event()
+        self._idle.set()
+
+    # -- what every request passes through --------------------------------------------------------
+
+    def check_state(self) -> None:
+        """Refuse work unless the router is active.
+
+        Raises:
+            Unavailable: 503 with ``router_<state>`` while standby, fenced, in maintenance,
+                monitoring-degraded or draining.
+        """
+        raise NotImplementedError
+
+    def offer(self, request_id: str) -> Ticket:
+        """Count one arrival; its ticket, to use as a context manager around the request."""
+        raise NotImplementedError
+
+    def retain(self, request_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Hold an HTTP retention slot while the block runs.
+
+        Raises:
+            CapacityRejection: none is free (429 ``http_retention_full``).
+        """
+        raise NotImplementedError
+
+    def placement(
+        self, request_id: str, waiter: Waiter, arrival: float
+    ) -> contextlib.AbstractAsyncContextManager[Placed]:
+        """Admit ``waiter`` (arrived at ``arrival``) and hold its placement while the block
+        runs, given back at exit however it ends.
+
+        Raises:
+            PredictiveRefusal: predictive mode refuses it.
+            CapacityRejection: the queue is full.
+            Expired: the admission wait ran out.
+            Unavailable: no eligible engine could serve it, or the router does not place.
+        """
+        raise NotImplementedError
+
+    def learn(self, exchange: Exchange | WholeExchange, placed: Placed) -> None:
+        """Feed a completed request's measurements back."""
+        raise NotImplementedError
+
+    def count_client_timeout(self, kind: str) -> None:
+        """A client took too long to send its request ``headers`` or ``body``."""
+        raise NotImplementedError
+
+    def forwards(self, scope: Mapping[str, Any]) -> bool:
+        """Whether the request of ASGI ``scope`` is another process's to answer
+        (:meth:`forward`): a relay worker's routes but the completions and ``/health``."""
+        return False
+
+    async def forward(
+        self,
+        scope: Mapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        """Have the request of ``scope`` answered where :meth:`forwards` says."""
+        raise NotImplementedError
+
+    # -- requests in flight, and shutdown --------------------------------------------------------
+
+    @contextmanager
+    def hold(self, request_id: str) -> Iterator[LiveRequest]:
+        """Hold one request while the block runs (every completion request is held)."""
+        live = LiveRequest(request_id)
+        self._live.add(live)
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        try:
+            yield live
+        finally:
+            self._live.discard(live)
+            if not self._live:
+                self._idle.set()
+
+    def in_flight(self) -> int:
+        """Requests held now (streams running included)."""
+        return len(self._live)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is held."""
+        await self._idle.wait()
+
+    def begin_drain(self) -> None:
+        """Stop admitting for a shutdown: new requests get 503 ``router_draining``."""
+        raise NotImplementedError
+
+    def cut_streams(self) -> None:
+        """End every held request now: in-band error on streams, 503 before headers.
+
+        Counted ``unavailable`` with reason ``shutdown``.
+        """
+        for live in self._live:
+            live.cut = True
+            live.scope.cancel()
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start what the router runs beside its requests, in ``nursery``."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Stop and close every engine's connection pool."""
+        raise NotImplementedError
+
+    def model_object(self) -> dict[str, Any]:
+        """What ``/v1/models`` shows for ``serving.model``: the engines' own model object.
+
+        The first eligible engine's (in configuration order), as its last good poll read it;
+        while none is eligible, the first engine's that has reported one; before any engine
+        has, a minimal object naming the model (``owned_by: narwhal``).
+        """
+        cards = [engine.model_card for engine in self.pool if engine.eligible]
+        cards += [engine.model_card for engine in self.pool]
+        for card in cards:
+            if card is not None:
+                return dict(card)
+        return {
+            "id": self.config.serving.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "narwhal",
+        }
+
+
+class Router(RouterBase):
+    """Engines, books and metrics of one Narwhal process (or of relay workers' controller).
 
     Args:
         config: the configuration.
@@ -130,26 +363,11 @@ class Router:
         *,
         transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
     ) -> None:
-        self.config = config
+        super().__init__(config)
         transports = transports or {}
         admission = config.admission
         self.pool = EnginePool(
-            (
-                Engine(
-                    engine,
-                    EngineClient(engine, config.upstream, transport=transports.get(engine.name)),
-                    prefill_limit=prefill,
-                    decode_limit=engine.decode_concurrency or admission.decode_concurrency,
-                    forecast=PrefillForecast(get_profile(engine.profile), prefill_limit=prefill),
-                    health=EngineHealth(
-                        failure_threshold=config.monitoring.failure_threshold,
-                        open_s=config.monitoring.breaker_open_s,
-                    ),
-                )
-                for engine in config.engines
-                for prefill in [engine.prefill_concurrency or admission.prefill_concurrency]
-            ),
-            tpot_target_s=admission.tpot_target_s,
+            build_engines(config, Engine, transports), tpot_target_s=admission.tpot_target_s
         )
         self.accounting = Accounting()
         self.retention = RetentionLimit(admission.http_retention_limit)
@@ -183,9 +401,6 @@ class Router:
         # Asked, in the request's own task, when predictive admission would refuse it: true
         # lets it in all the same, as shadow mode would (the benchmark's forced-in reruns).
         self.exempt: Callable[[], bool] = _never
-        self._live: set[LiveRequest] = set()
-        self._idle = trio.Event()
-        self._idle.set()
 
     @property
     def state(self) -> RouterState:
@@ -198,47 +413,168 @@ class Router:
         return self.control.reason
 
     def check_state(self) -> None:
-        """Refuse work unless the router is active.
+        refuse_unless_active(self.state)
+
+    # -- what every request passes through --------------------------------------------------------
+
+    def offer(self, request_id: str) -> Ticket:
+        return self.accounting.offer()
+
+    @asynccontextmanager
+    async def retain(self, request_id: str) -> AsyncIterator[None]:
+        with self.retention.hold():
+            yield
+
+    def count_client_timeout(self, kind: str) -> None:
+        self.metrics.count_client_timeout(kind)
+
+    @asynccontextmanager
+    async def placement(
+        self, request_id: str, waiter: Waiter, arrival: float
+    ) -> AsyncIterator[Placed]:
+        decision = self.decide(waiter, arrival)
+        projection = decision.projection
+        teach = None
+        if projection is not None:  # the margin learns how the projection fared (shadow too)
+            teach = partial(
+                self.margin.observe,
+                projection.fixed_s,
+                projection.wait_s,
+                projection.own_prefill_s,
+                budget_s=decision.budget_s,
+                seat_s=projection.seat_s,
+            )
+        async with self.queue.placement(waiter, self.config.admission.admission_wait_s) as slot:
+            self.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
+            yield Placed(slot, decision, teach)
+
+    def decide(self, waiter: Waiter, arrival: float) -> Decision:
+        """Decide on a sized request, tell the observers what and why, then apply it.
+
+        ``open`` mode projects nothing; ``predictive`` and ``shadow`` project the request's
+        TTFT and judge it against the budget, and only ``predictive`` refuses (unless the
+        router's ``exempt`` hook lets this request through): ``shadow`` records the would-be
+        refusal and admits the request, as ``open`` mode does.
 
         Raises:
-            Unavailable: 503 with ``router_<state>`` while standby, fenced, in maintenance or
-                monitoring-degraded.
+            PredictiveRefusal: predictive mode refuses the request.
+            Unavailable: no eligible engine could serve it.
         """
-        if self.state == "draining":
-            raise Unavailable(
-                "This router is shutting down and admits no requests; retry on another.",
-                code="router_draining",
+        admission = self.config.admission
+        mode, budget = admission.mode, admission.ttft_budget_s
+        projection = refusal = None
+        if mode == "open":
+            serviceable = self.pool.any_eligible(need_token_ids=waiter.need_token_ids)
+        else:
+            now = trio.current_time()
+            projection = project(
+                self.pool,
+                (),  # the queue's plan has walked every waiting request
+                waiter,
+                self.lengths,
+                now=now,
+                elapsed_s=now - arrival,
+                overhead_s=admission.frontend_overhead_s,
+                margin=self.margin,
+                tpot_target_s=admission.tpot_target_s,
+                plan=self.queue.current_plan(),
+                overrun=self.queue.overrun(now, self.margin.floor_share * budget),
+                budget_s=budget,
             )
-        if self.state != "active":
-            raise Unavailable(
-                f"This router is {self.state.replace('_', '-')} and admits no requests; "
-                "retry shortly.",
-                code=f"router_{self.state}",
+            serviceable = projection is not None
+            if projection is not None:
+                refusal = judge(projection, budget)
+                waiter.projected_wait_s = projection.wait_s
+        verdict: Verdict = "admitted"
+        if not serviceable:
+            verdict = "unavailable"
+        elif refusal is not None and mode == "predictive" and not self.exempt():
+            verdict = "refused"
+        decision = Decision.of(mode, budget, verdict, projection, refusal)
+        self.observers.decided(decision)
+        if verdict == "unavailable":
+            raise Unavailable("No engine is eligible to serve this request; retry shortly.")
+        if verdict == "refused" and refusal is not None:
+            raise refusal
+        return decision
+
+    def learn(self, exchange: Exchange | WholeExchange, placed: Placed) -> None:
+        """Feed a completed request's measurements back: the observers (the metrics among
+        them), the output lengths and the prompt-size ratio."""
+        measured = exchange.measurements
+        # One observation per output event after the first: each read's gap, and zero for
+        # the events that came with it.
+        gaps = self.metrics.inter_token_gap
+        together = 0
+        for gap, events in measured.gaps:
+            gaps.observe(gap)
+            together += events - 1
+        if together:
+            gaps.observe(0.0, together)
+        request = exchange.request
+        self._learned(
+            placed,
+            engine=exchange.engine.name,
+            ttft=measured.ttft,
+            predicted_ttft=measured.predicted_ttft,
+            produced=measured.output_tokens or measured.completion_tokens_reported,
+            finished=exchange.finished,
+            route=request.route,
+            max_output_tokens=request.max_output_tokens,
+        )
+        if measured.prompt_tokens_reported:
+            self.sizer.learn(
+                exchange.engine.name, exchange.request, measured.prompt_tokens_reported
             )
 
-    # -- requests in flight, and shutdown --------------------------------------------------------
+    def learn_remote(
+        self,
+        placed: Placed | None,
+        *,
+        engine: str,
+        ttft: float | None,
+        predicted_ttft: float | None,
+        gaps: list[list[int]],
+        gap_sum: float,
+        produced: int | None,
+        finished: bool,
+        route: str,
+        max_output_tokens: int | None,
+    ) -> None:
+        """:meth:`learn` for a request a relay worker served (:mod:`narwhal.workers`): the
+        worker counted its gaps into the histogram's buckets (``[bucket, count]`` pairs and
+        their sum), and learnt the prompt-size ratio itself (it sizes its requests)."""
+        self.metrics.inter_token_gap.add(gaps, gap_sum)
+        if placed is not None:
+            self._learned(
+                placed,
+                engine=engine,
+                ttft=ttft,
+                predicted_ttft=predicted_ttft,
+                produced=produced,
+                finished=finished,
+                route=route,
+                max_output_tokens=max_output_tokens,
+            )
 
-    @contextmanager
-    def hold(self, request_id: str) -> Iterator[LiveRequest]:
-        """Hold one request while the block runs (every completion request is held)."""
-        live = LiveRequest(request_id)
-        self._live.add(live)
-        if self._idle.is_set():
-            self._idle = trio.Event()
-        try:
-            yield live
-        finally:
-            self._live.discard(live)
-            if not self._live:
-                self._idle.set()
+    def _learned(
+        self,
+        placed: Placed,
+        *,
+        engine: str,
+        ttft: float | None,
+        predicted_ttft: float | None,
+        produced: int | None,
+        finished: bool,
+        route: str,
+        max_output_tokens: int | None,
+    ) -> None:
+        if placed.decision is not None:
+            self.observers.served(placed.decision, Served(engine, ttft, predicted_ttft))
+        if produced is not None and finished:
+            self.lengths.learn(route, max_output_tokens, produced)
 
-    def in_flight(self) -> int:
-        """Requests held now (streams running included)."""
-        return len(self._live)
-
-    async def wait_idle(self) -> None:
-        """Return once no request is held."""
-        await self._idle.wait()
+    # -- shutdown ---------------------------------------------------------------------------------
 
     def begin_drain(self) -> None:
         """Stop admitting for a shutdown: ``/ready`` turns 503, new requests get 503.
@@ -248,15 +584,6 @@ class Router:
         """
         self.control.begin_drain()
         self.lease.release()
-
-    def cut_streams(self) -> None:
-        """End every held request now: in-band error on streams, 503 before headers.
-
-        Counted ``unavailable`` with reason ``shutdown``.
-        """
-        for live in self._live:
-            live.cut = True
-            live.scope.cancel()
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the lease, the dispatcher and one health poller per engine in ``nursery``."""
@@ -286,25 +613,6 @@ class Router:
         """Return once ``/ready`` would answer 200 (tests and the demo)."""
         while not self.statistics().ready:  # noqa: ASYNC110 - readiness has many sources
             await trio.sleep(poll_s)
-
-    def model_object(self) -> dict[str, Any]:
-        """What ``/v1/models`` shows for ``serving.model``: the engines' own model object.
-
-        The first eligible engine's (in configuration order), as its last good poll read it;
-        while none is eligible, the first engine's that has reported one; before any engine
-        has, a minimal object naming the model (``owned_by: narwhal``).
-        """
-        cards = [engine.model_card for engine in self.pool if engine.eligible]
-        cards += [engine.model_card for engine in self.pool]
-        for card in cards:
-            if card is not None:
-                return dict(card)
-        return {
-            "id": self.config.serving.model,
-            "object": "model",
-            "created": 0,
-            "owned_by": "narwhal",
-        }
 
     def statistics(self) -> RouterStatistics:
         """A frozen snapshot."""

@@ -18,13 +18,13 @@ import httpx
 import pytest
 import trio
 
+from narwhal import router as deciding  # where admission judges a projection
 from narwhal.admission.observer import Decision, Served
 from narwhal.admission.predictor import Projection
 from narwhal.bench import replay
 from narwhal.cli import main
 from narwhal.config import AdmissionConfig, ConfigError, config_from_mapping
 from narwhal.scheduling.health import Failure
-from narwhal.web import completions
 from tests.conftest import MODEL, Fleet, StartFleet
 
 PROMPT = "word " * 4000  # ~5k tokens: ~0.16 s of prefill each on the H100 profile
@@ -263,7 +263,7 @@ class _Spy:
 @contextlib.contextmanager
 def old_hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Oracle]:
     oracle = _Oracle()
-    judge, send, open_fleet = completions.judge, replay._send, replay.open_fleet
+    judge, send, open_fleet = deciding.judge, replay._send, replay.open_fleet
 
     def judging(projection: Projection, budget_s: float) -> Any:
         refusal = judge(projection, budget_s)
@@ -296,7 +296,7 @@ def old_hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Oracle]:
             metrics.predicted_ttft_error_ratio = _Spy(ratio, on_ratio)
             yield fleet
 
-    monkeypatch.setattr(completions, "judge", judging)
+    monkeypatch.setattr(deciding, "judge", judging)
     monkeypatch.setattr(replay, "_send", sending)
     monkeypatch.setattr(replay, "open_fleet", spied_fleet)
     yield oracle

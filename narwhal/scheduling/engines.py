@@ -483,10 +483,11 @@ class Slot:
         """Placement to first token, as predicted at placement."""
         return self.predicted_first_token_at - self.placed_at
 
-    def to_decode(self, *, observed: bool = True) -> None:
-        """Exchange the prefill slot for a decode slot: the first output event arrived, or,
-        not ``observed``, the predicted time of a first token that cannot be seen has come
-        (a request its engine answers whole); the forecast then learns nothing from it."""
+    def to_decode(self, *, observed: bool = True, now: float | None = None) -> None:
+        """Exchange the prefill slot for a decode slot: the first output event arrived (at
+        ``now``, by default the current time), or, not ``observed``, the predicted time of a
+        first token that cannot be seen has come (a request its engine answers whole); the
+        forecast then learns nothing from it."""
         if self.phase != "prefill":
             return
         engine = self.engine
@@ -494,7 +495,8 @@ class Slot:
         engine.decode += 1
         self.phase = "decode"
         self.context_tokens = self.prompt_tokens
-        now = trio.current_time()
+        if now is None:
+            now = trio.current_time()
         engine.prefill_seen_at = now
         if observed:
             if not engine.overcommitted:
@@ -527,6 +529,14 @@ class Slot:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+    def failed(self, *, counted: bool = True) -> None:
+        """An attempt on this slot failed: give it back at once (so that its engine's
+        occupancy is true during a retry), counted against the engine unless not
+        ``counted`` (an engine refusing work, as a 503 says, has not failed)."""
+        self.release()
+        if counted:
+            self.engine.failed += 1
 
     def release(self) -> None:
         """Give the slot back (idempotent; also at the end of a ``with`` block)."""
@@ -625,3 +635,16 @@ class EnginePool:
             if best is None or at < best_at:
                 best, best_at = engine, at
         return best
+
+    async def retake(
+        self, failed: Slot, *, exclude: Iterable[Engine] = (), need_token_ids: bool = False
+    ) -> Slot | None:
+        """A slot elsewhere for the request whose attempt on ``failed`` failed: on the engine
+        that may take it now with the earliest predicted first token (:meth:`best`), or
+        ``None``. (A coroutine: a relay worker's pool asks its controller.)"""
+        other = self.best(failed.prompt_tokens, exclude=exclude, need_token_ids=need_token_ids)
+        if other is None:
+            return None
+        return Slot.take(
+            other, failed.prompt_tokens, route=failed.route, max_tokens=failed.max_tokens
+        )

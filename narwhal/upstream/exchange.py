@@ -372,8 +372,9 @@ async def with_one_retry(
     answers in :mod:`narwhal.upstream.whole`).
 
     A failed attempt's slot is released at once (so that its engine's occupancy is true during
-    the retry); the retry's slot, taken on the eligible engine with a free prefill slot, a
-    context that holds the prompt and the earliest predicted first token, joins ``held``.
+    the retry); the retry's slot (:meth:`EnginePool.retake`), taken on the eligible engine with
+    a free prefill slot, a context that holds the prompt and the earliest predicted first
+    token, joins ``held``.
 
     Raises:
         EngineRejectedRequest: the engine refused the request; not retried.
@@ -386,30 +387,27 @@ async def with_one_retry(
         try:
             return await attempt(attempt_slot)
         except (EngineError, EngineResponseError) as exc:
-            attempt_slot.release()
             log.warning(
                 "request %s: attempt on engine %s failed: %s",
                 (headers or {}).get("x-request-id", "-"),
                 engine.name,
                 exc.message,
             )
-            if not isinstance(exc, EngineBusy):  # an engine refusing work has not failed
-                engine.failed += 1
             record_failure(engine, exc)
+            # An engine refusing work has not failed.
+            attempt_slot.failed(counted=not isinstance(exc, EngineBusy))
             failures.append((engine, exc))
         other = None
         if len(failures) < 2:
             # Never an engine too short for the prompt (it would answer a 400 of its own).
-            other = pool.best(
-                slot.prompt_tokens,
+            other = await pool.retake(
+                slot,
                 exclude=[*(engine for engine, _ in failures), *too_short(pool, slot.prompt_tokens)],
                 need_token_ids=request.wants_token_ids,
             )
         if other is None:
             raise _give_up(failures)
-        attempt_slot = held.enter_context(
-            Slot.take(other, slot.prompt_tokens, route=slot.route, max_tokens=slot.max_tokens)
-        )
+        attempt_slot = held.enter_context(other)
 
 
 def _give_up(failures: list[tuple[Engine, UpstreamFailure]]) -> UpstreamFailure:

@@ -74,6 +74,7 @@ __all__ = [
     "client_of",
     "open_stream",
     "record_failure",
+    "report_failure",
     "transport_failure",
 ]
 
@@ -115,8 +116,12 @@ def record_failure(engine: Engine, exc: BaseException) -> None:
     answer, a malformed event) say nothing about the engine's health and are not reported.
     """
     failure = transport_failure(exc)
-    if failure is None:
-        return
+    if failure is not None:
+        report_failure(engine, failure)
+
+
+def report_failure(engine: Engine, failure: Failure) -> None:
+    """A request met ``failure`` on ``engine``: tell its health, and log what that changed."""
     _log_change(engine, engine.request_failed(trio.current_time(), failure))
 
 

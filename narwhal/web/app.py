@@ -26,7 +26,7 @@ from narwhal.errors import (
     RouteNotFound,
 )
 from narwhal.protocol.requests import Route
-from narwhal.router import Router
+from narwhal.router import Router, RouterBase
 from narwhal.web.admin import register_admin
 from narwhal.web.client import request_id
 from narwhal.web.completions import serve_completion
@@ -54,11 +54,15 @@ class NarwhalApp(QuartTrio):
     """
 
     async def asgi_app(self, scope: Any, receive: Any, send: Any) -> None:
+        router = get_router(self)
         if scope["type"] == "http" and scope["method"] == "POST":
             route = COMPLETION_ROUTES.get(scope["path"])
             if route is not None:
-                await serve_completion(get_router(self), route, scope, receive, send)
+                await serve_completion(router, route, scope, receive, send)
                 return
+        if router.forwards(scope):  # a relay worker's other routes are its controller's
+            await router.forward(scope, receive, send)
+            return
         await super().asgi_app(scope, receive, send)
 
 
@@ -68,10 +72,17 @@ def get_router(app: QuartTrio) -> Router:
     return router
 
 
+def get_router_base(app: QuartTrio) -> RouterBase:
+    """The router behind an app made by :func:`create_app`, a relay worker's included."""
+    router: RouterBase = app.extensions["narwhal"]
+    return router
+
+
 def create_app(
     config: Config,
     *,
     transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
+    router: RouterBase | None = None,
 ) -> QuartTrio:
     """Build the router's ASGI application.
 
@@ -79,6 +90,8 @@ def create_app(
         config: the configuration.
         transports: optional httpx transports by engine name, in place of the network (the
             in-process simulator for tests and the demo).
+        router: the router to serve, in place of a :class:`~narwhal.router.Router` built
+            here (a relay worker's, :mod:`narwhal.workers.worker`).
     """
     app = NarwhalApp("narwhal")
     app.config.update(
@@ -87,16 +100,16 @@ def create_app(
         MAX_CONTENT_LENGTH=config.serving.max_request_bytes,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
-    router = Router(config, transports=transports)
-    app.extensions["narwhal"] = router
+    served: RouterBase = Router(config, transports=transports) if router is None else router
+    app.extensions["narwhal"] = served
 
     @app.before_serving
     async def start() -> None:
-        await router.start(app.nursery)
+        await served.start(app.nursery)
 
     @app.after_serving
     async def stop() -> None:
-        await router.aclose()
+        await served.aclose()
 
     async def served_as_asgi() -> Response:  # pragma: no cover - NarwhalApp.asgi_app serves
         raise RuntimeError("completion routes are served by NarwhalApp.asgi_app")
@@ -107,20 +120,20 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [router.model_object()]})
+        return json_response({"object": "list", "data": [served.model_object()]})
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
         # vLLM has no such route; this is OpenAI's: the model object itself.
-        served = config.serving.model
-        if model_id != served:
+        name = config.serving.model
+        if model_id != name:
             return error_response(
                 ModelNotFound(
-                    f"The model `{model_id}` does not exist here; this router serves `{served}`.",
+                    f"The model `{model_id}` does not exist here; this router serves `{name}`.",
                     param="model",
                 )
             )
-        return json_response(router.model_object())
+        return json_response(served.model_object())
 
     @app.after_request
     async def identify(response: Response) -> Response:
@@ -135,16 +148,8 @@ def create_app(
     async def health() -> Response:
         return json_response({"status": "ok"})
 
-    @app.get("/ready")
-    async def ready() -> Response:
-        stats = router.statistics()
-        return json_response(stats.as_json(), status=200 if stats.ready else 503)
-
-    register_admin(app, router)  # /admin/engines, /admin/maintenance (narwhal.web.admin)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(router.metrics.render(), content_type=CONTENT_TYPE)
+    if isinstance(served, Router):  # a relay worker's are its controller's (forwarded)
+        _router_routes(app, served)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
@@ -171,3 +176,18 @@ def create_app(
         return error_response(NarwhalError("Internal router error."))
 
     return app
+
+
+def _router_routes(app: QuartTrio, router: Router) -> None:
+    """The routes that read the pool's state: ``/ready``, ``/metrics`` and ``/admin``."""
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        stats = router.statistics()
+        return json_response(stats.as_json(), status=200 if stats.ready else 503)
+
+    register_admin(app, router)  # /admin/engines, /admin/maintenance (narwhal.web.admin)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), content_type=CONTENT_TYPE)

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from functools import partial
 from typing import Any
 
 import orjson
 import trio
 
 from narwhal.admission.accounting import Ticket
-from narwhal.admission.observer import Decision, Served, Verdict
-from narwhal.admission.predictor import judge, project
 from narwhal.admission.queue import Waiter
 from narwhal.errors import (
     Expired,
@@ -42,12 +39,11 @@ from narwhal.protocol.assembly import Assembler
 from narwhal.protocol.chunks import expose, only_hidden_ids
 from narwhal.protocol.requests import CompletionRequest, Route, parse_request
 from narwhal.protocol.sse import encode_data, encode_done
-from narwhal.router import LiveRequest, Router
-from narwhal.scheduling.engines import Slot
+from narwhal.router import LiveRequest, Placed, RouterBase
 from narwhal.upstream.client import ChunkEvent
 from narwhal.upstream.dialects import response_shape, streams_upstream
 from narwhal.upstream.exchange import Exchange, open_exchange
-from narwhal.upstream.whole import WholeExchange, open_whole
+from narwhal.upstream.whole import open_whole
 from narwhal.web.client import Client, ClientGone, Receive, Send
 
 __all__ = ["parse_deadline_headers", "serve_completion"]
@@ -79,7 +75,7 @@ def parse_deadline_headers(headers: Any, default_s: float) -> float:
 
 
 async def serve_completion(
-    router: Router, route: Route, scope: dict[str, Any], receive: Receive, send: Send
+    router: RouterBase, route: Route, scope: dict[str, Any], receive: Receive, send: Send
 ) -> None:
     """Serve one completion request (both routes) over ASGI; count it exactly once.
 
@@ -91,7 +87,7 @@ async def serve_completion(
     with (
         request_context(client.request_id),  # every log line about it carries the id
         router.hold(client.request_id) as live,
-        router.accounting.offer() as ticket,
+        router.offer(client.request_id) as ticket,
     ):
         try:
             with live.scope:
@@ -125,7 +121,7 @@ def _fail(ticket: Ticket, error: NarwhalError) -> None:
 
 
 async def _serve(
-    router: Router,
+    router: RouterBase,
     route: Route,
     client: Client,
     live: LiveRequest,
@@ -135,7 +131,7 @@ async def _serve(
     config = router.config
     serving = config.serving
     router.check_state()
-    with router.retention.hold():
+    async with router.retain(client.request_id):
         # The body is read under the body timeout and the default deadline; the headers may
         # only shorten the deadline, and are checked after the size limit (413 comes first).
         deadline = arrival + serving.request_deadline_s
@@ -144,7 +140,7 @@ async def _serve(
         if reading.cancelled_caught:
             if trio.current_time() >= deadline:
                 raise _deadline_expired()
-            router.metrics.count_client_timeout("body")
+            router.count_client_timeout("body")
             raise RequestTimeout(
                 f"The request body did not arrive within {serving.body_timeout_s:g} s."
             )
@@ -165,7 +161,7 @@ def _deadline_expired() -> Expired:
 
 
 async def _watched(
-    router: Router,
+    router: RouterBase,
     client: Client,
     live: LiveRequest,
     ticket: Ticket,
@@ -189,39 +185,28 @@ async def _watched(
 
 
 async def _answer(
-    router: Router, client: Client, ticket: Ticket, parsed: CompletionRequest, arrival: float
+    router: RouterBase,
+    client: Client,
+    ticket: Ticket,
+    parsed: CompletionRequest,
+    arrival: float,
 ) -> None:
-    admission = router.config.admission
     need_ids = parsed.wants_token_ids
     if need_ids and not router.pool.any_provides_token_ids():
         raise UnsupportedOption(
             "`return_token_ids` was requested but no engine behind this router provides token IDs.",
             param="return_token_ids",
         )
-    route = parsed.route
     tokens = router.sizer.prompt_tokens(parsed)
     ticket.sized = True
-    waiter = Waiter(tokens, need_ids, route, parsed.max_output_tokens)
-    decision = _admit(router, waiter, arrival)
-    projection = decision.projection
-    teach = None
-    if projection is not None:  # the margin learns how the projection fared (shadow mode too)
-        teach = partial(
-            router.margin.observe,
-            projection.fixed_s,
-            projection.wait_s,
-            projection.own_prefill_s,
-            budget_s=decision.budget_s,
-            seat_s=projection.seat_s,
-        )
-    async with router.queue.placement(waiter, admission.admission_wait_s) as slot:
-        router.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
+    waiter = Waiter(tokens, need_ids, parsed.route, parsed.max_output_tokens)
+    async with router.placement(client.request_id, waiter, arrival) as placed:
         headers = {"x-request-id": client.request_id}
         if not streams_upstream(parsed):
-            await _answer_whole(router, client, ticket, parsed, slot, arrival, headers, decision)
+            await _answer_whole(router, client, ticket, parsed, placed, arrival, headers)
             return
         async with open_exchange(
-            router.pool, parsed, slot, arrival, headers=headers, on_first_output=teach
+            router.pool, parsed, placed.slot, arrival, headers=headers, on_first_output=placed.teach
         ) as exchange:
             try:
                 if parsed.stream:
@@ -235,82 +220,26 @@ async def _answer(
                 exchange.record_outcome(ok=False)
                 raise
             exchange.record_outcome(ok=True)
-            _learn(router, exchange, decision)
-
-
-def _admit(router: Router, waiter: Waiter, arrival: float) -> Decision:
-    """Decide on a sized request, tell the observers what and why, then apply it.
-
-    ``open`` mode projects nothing; ``predictive`` and ``shadow`` project the request's TTFT
-    and judge it against the budget, and only ``predictive`` refuses (unless the router's
-    ``exempt`` hook lets this request through): ``shadow`` records the would-be refusal and
-    admits the request, as ``open`` mode does.
-
-    Raises:
-        PredictiveRefusal: predictive mode refuses the request.
-        Unavailable: no eligible engine could serve it.
-    """
-    admission = router.config.admission
-    mode, budget = admission.mode, admission.ttft_budget_s
-    projection = refusal = None
-    if mode == "open":
-        serviceable = router.pool.any_eligible(need_token_ids=waiter.need_token_ids)
-    else:
-        now = trio.current_time()
-        projection = project(
-            router.pool,
-            (),  # the queue's plan has walked every waiting request
-            waiter,
-            router.lengths,
-            now=now,
-            elapsed_s=now - arrival,
-            overhead_s=admission.frontend_overhead_s,
-            margin=router.margin,
-            tpot_target_s=admission.tpot_target_s,
-            plan=router.queue.current_plan(),
-            overrun=router.queue.overrun(now, router.margin.floor_share * budget),
-            budget_s=budget,
-        )
-        serviceable = projection is not None
-        if projection is not None:
-            refusal = judge(projection, budget)
-            waiter.projected_wait_s = projection.wait_s
-    verdict: Verdict = "admitted"
-    if not serviceable:
-        verdict = "unavailable"
-    elif refusal is not None and mode == "predictive" and not router.exempt():
-        verdict = "refused"
-    decision = Decision.of(mode, budget, verdict, projection, refusal)
-    router.observers.decided(decision)
-    if verdict == "unavailable":
-        raise _no_engine()
-    if verdict == "refused" and refusal is not None:
-        raise refusal
-    return decision
-
-
-def _no_engine() -> Unavailable:
-    return Unavailable("No engine is eligible to serve this request; retry shortly.")
+            router.learn(exchange, placed)
 
 
 async def _answer_whole(
-    router: Router,
+    router: RouterBase,
     client: Client,
     ticket: Ticket,
     parsed: CompletionRequest,
-    slot: Slot,
+    placed: Placed,
     arrival: float,
     headers: dict[str, str],
-    decision: Decision,
 ) -> None:
     """A non-streaming request that a stream would answer differently: it goes to the engine
     as sent, and the engine's answer comes back as it is (:mod:`narwhal.upstream.whole`)."""
-    async with open_whole(router.pool, parsed, slot, arrival, headers=headers) as whole:
+    async with open_whole(router.pool, parsed, placed.slot, arrival, headers=headers) as whole:
         ticket.finish("completed")
         whole.record_outcome(ok=True)
         with contextlib.suppress(ClientGone):
             await client.respond(whole.answer.status, whole.answer.raw)
-        _learn(router, whole, decision)
+        router.learn(whole, placed)
 
 
 async def _assemble(exchange: Exchange, parsed: CompletionRequest) -> dict[str, Any]:
@@ -424,26 +353,3 @@ class _StreamRelay:
         if self._held_finish is not None:
             chunk, self._held_finish = self._held_finish, None
             out.append(encode_data(orjson.dumps(chunk)))
-
-
-def _learn(router: Router, exchange: Exchange | WholeExchange, decision: Decision) -> None:
-    """Feed a completed request's measurements back: the observers (the metrics among them),
-    the output lengths and the prompt-size ratio."""
-    measured = exchange.measurements
-    metrics = router.metrics
-    served = Served(exchange.engine.name, measured.ttft, measured.predicted_ttft)
-    router.observers.served(decision, served)
-    # One observation per output event after the first: each read's gap, and zero for the
-    # events that came with it.
-    together = 0
-    for gap, events in measured.gaps:
-        metrics.inter_token_gap.observe(gap)
-        together += events - 1
-    if together:
-        metrics.inter_token_gap.observe(0.0, together)
-    produced = measured.output_tokens or measured.completion_tokens_reported
-    if produced is not None and exchange.finished:
-        request = exchange.request
-        router.lengths.learn(request.route, request.max_output_tokens, produced)
-    if measured.prompt_tokens_reported:
-        router.sizer.learn(exchange.engine.name, exchange.request, measured.prompt_tokens_reported)

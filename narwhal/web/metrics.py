@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -30,12 +30,12 @@ if TYPE_CHECKING:
     from narwhal.router import Router
     from narwhal.scheduling.engines import EngineStatistics
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "GAP_BUCKETS", "CountingHistogram", "Metrics", "bucket_counts"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
-_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 _SHADOW_REASONS = ("ttft_budget_exceeded", "prompt_exceeds_ttft_budget")
 
@@ -131,6 +131,13 @@ class CountingHistogram(Collector):
         self._counts[bisect_left(self._bounds, amount)] += count
         self._sum += amount * count
 
+    def add(self, counts: Iterable[Sequence[int]], total: float) -> None:
+        """Add observations counted elsewhere into the same buckets (:func:`bucket_counts`):
+        ``[bucket, count]`` pairs, and the sum of what they counted."""
+        for bucket, count in counts:
+            self._counts[bucket] += count
+        self._sum += total
+
     def collect(self) -> Iterator[Metric]:
         cumulative, total = [], 0
         labels = [*(repr(float(bound)) for bound in self._bounds), "+Inf"]  # as Histogram's
@@ -142,6 +149,20 @@ class CountingHistogram(Collector):
         )
         family.samples.append(Sample(f"{self._name}_created", {}, self._created))
         yield family
+
+
+def bucket_counts(
+    bounds: Sequence[float], observations: Iterable[tuple[float, int]]
+) -> tuple[list[list[int]], float]:
+    """``(amount, count)`` observations counted into ``bounds``' buckets, as
+    :meth:`CountingHistogram.add` takes them: ``[bucket, count]`` pairs and their sum."""
+    counts: dict[int, int] = {}
+    total = 0.0
+    for amount, count in observations:
+        bucket = bisect_left(bounds, amount)
+        counts[bucket] = counts.get(bucket, 0) + count
+        total += amount * count
+    return [[bucket, count] for bucket, count in counts.items()], total
 
 
 _ROUTER_STATES = get_args(RouterState)
@@ -255,7 +276,7 @@ class Metrics:
         self.inter_token_gap = CountingHistogram(
             "narwhal_inter_token_gap_seconds",
             "Time between two output events of one stream",
-            _GAP_BUCKETS,
+            GAP_BUCKETS,
         )
         self.registry.register(self.inter_token_gap)
 
