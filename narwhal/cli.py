@@ -1,7 +1,9 @@
-"""The ``narwhal`` command: serve, demo, sim, bench, check-config.
+"""The ``narwhal`` command: serve, controller, demo, sim, bench, check-config.
 
 A command-line mistake or a start-up failure (a bad ``--bind``, a port in use, a configuration
-that does not load) is one line on standard error and exit status 2, never a traceback.
+that does not load, a relay worker that cannot start) is one line on standard error and exit
+status 2, never a traceback. ``narwhal worker`` is not listed: it is how ``narwhal serve``
+starts its relay workers (:mod:`narwhal.workers.supervisor`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from narwhal.config import (
 
 __all__ = ["bind_problem", "listen_failure", "main", "run_listening", "time_scale_problem"]
 
-COMMANDS = ("serve", "demo", "sim", "bench", "check-config")
+_log = logging.getLogger(__name__)
+
+COMMANDS = ("serve", "controller", "demo", "sim", "bench", "check-config")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,7 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from narwhal.bench.cli import main as bench_main
 
         return bench_main(rest)
-    handlers = {"serve": _serve, "demo": _demo, "check-config": _check_config}
+    handlers = {
+        "serve": _serve,
+        "controller": _controller,
+        "worker": _worker,
+        "demo": _demo,
+        "check-config": _check_config,
+    }
     if command not in handlers:
         print(f"narwhal: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
@@ -58,6 +68,7 @@ def _usage() -> str:
         "       narwhal --version\n\n"
         "commands:\n"
         "  serve --config FILE       run the router under Hypercorn (Trio worker)\n"
+        "  controller --config FILE  only the admission controller, for `hypercorn -w N`\n"
         "  demo                      router and two simulated engines in one process\n"
         "  sim --bind HOST:PORT ...  one simulated engine server\n"
         "  bench overhead ...        the router's added latency and CPU (direct, Narwhal, "
@@ -110,9 +121,9 @@ def run_listening(command: str, bind: str, main: Callable[[], Awaitable[None]]) 
         trio.run(main)
     except KeyboardInterrupt:
         return 0
-    except (ConfigError, OSError, BaseExceptionGroup) as exc:
+    except (Exception, BaseExceptionGroup) as exc:
         leaf = _only_leaf(exc)
-        if isinstance(leaf, ConfigError):
+        if isinstance(leaf, (ConfigError, *_start_failures())):
             print(f"narwhal {command}: {leaf}", file=sys.stderr)
             return 2
         refused = listen_failure(exc)
@@ -121,6 +132,16 @@ def run_listening(command: str, bind: str, main: Callable[[], Awaitable[None]]) 
         print(f"narwhal {command}: cannot listen on {bind}: {_describe(refused)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _start_failures() -> tuple[type[Exception], ...]:
+    """Start-up failures that are one line: a relay worker that exited while starting, an
+    app whose lifespan startup failed (a relay worker that cannot reach its controller)."""
+    from hypercorn.utils import LifespanFailureError
+
+    from narwhal.workers.supervisor import WorkerStartError
+
+    return (WorkerStartError, LifespanFailureError)
 
 
 def _only_leaf(error: BaseException) -> BaseException:
@@ -159,13 +180,105 @@ def _serve(argv: list[str]) -> int:
     import trio
 
     from narwhal.server import serve
+    from narwhal.workers.supervisor import serve_workers
+
+    workers = config.serving.workers
+    server = (
+        partial(serve_workers, config, bind=args.bind, handle_signals=True, verbose=args.verbose)
+        if workers > 1
+        else partial(serve, config, bind=args.bind, handle_signals=True)
+    )
+    shown = f" with {workers} relay workers" if workers > 1 else ""
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(partial(serve, config, bind=args.bind, handle_signals=True))
-            print(f"narwhal: serving {config.serving.model!r} on {', '.join(urls)}", flush=True)
+            urls = await nursery.start(server)
+            print(
+                f"narwhal: serving {config.serving.model!r} on {', '.join(urls)}{shown}",
+                flush=True,
+            )
 
     return run_listening("serve", bind, run)
+
+
+def _controller(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="narwhal controller",
+        description="Run only the admission controller, on serving.controller_socket, for "
+        "relay workers started by `hypercorn -w N 'narwhal.asgi:app()'`.",
+    )
+    parser.add_argument("--config", required=True, help="the TOML configuration file")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine joins and errors")
+    args = parser.parse_args(argv)
+    _logging(args.verbose)
+    try:
+        config = load_config(args.config)
+        if not config.serving.controller_socket:
+            raise ConfigError(
+                f"{args.config}: serving.controller_socket: required by narwhal controller "
+                "(the path where the relay workers reach it)"
+            )
+    except ConfigError as exc:
+        print(f"narwhal controller: {exc}", file=sys.stderr)
+        return 2
+    import trio
+
+    from narwhal.workers.supervisor import run_controller
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            path = await nursery.start(partial(run_controller, config, handle_signals=True))
+            print(f"narwhal: controller for {config.serving.model!r} on {path}", flush=True)
+
+    return run_listening("controller", config.serving.controller_socket, run)
+
+
+def _worker(argv: list[str]) -> int:
+    """One relay worker (started by ``narwhal serve`` with ``serving.workers`` over 1)."""
+    parser = argparse.ArgumentParser(
+        prog="narwhal worker", description="One relay worker (narwhal serve starts them)."
+    )
+    parser.add_argument("--config", required=True, help="the TOML configuration file")
+    parser.add_argument("--controller", required=True, help="the controller's Unix socket")
+    parser.add_argument(
+        "--fd", type=int, action="append", required=True, help="an inherited listening socket"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine joins and errors")
+    args = parser.parse_args(argv)
+    _logging(args.verbose)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"narwhal worker: {exc}", file=sys.stderr)
+        return 2
+    import socket
+
+    try:
+        sockets = [socket.socket(fileno=fd) for fd in args.fd]
+    except OSError as exc:
+        print(f"narwhal worker: --fd: not a socket: {_describe(exc)}", file=sys.stderr)
+        return 2
+
+    from narwhal.server import serve
+    from narwhal.web.app import get_router
+    from narwhal.workers.worker import WorkerRouter, create_worker_app
+
+    async def run() -> None:
+        app = create_worker_app(config, args.controller)
+        router = get_router(app)
+        assert isinstance(router, WorkerRouter)
+        # The supervisor reports the shutdown: the workers' own progress goes to the log. A
+        # worker whose controller is gone drains and exits (the supervisor starts another).
+        await serve(
+            config,
+            app=app,
+            sockets=sockets,
+            handle_signals=True,
+            say=_log.info,
+            shutdown_trigger=router.lost.wait,
+        )
+
+    return run_listening("worker", args.controller, run)
 
 
 def _demo(argv: list[str]) -> int:

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager, nullcontext
 from functools import partial
 
 import attrs
@@ -32,16 +33,26 @@ import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.lifespan import Lifespan
+from hypercorn.typing import AppWrapper
 from hypercorn.utils import repr_socket_addr, wrap_app
 from quart_trio import QuartTrio
 
 from narwhal.config import Config
-from narwhal.router import Router
+from narwhal.router import Router, RouterBase
 from narwhal.web.app import create_app, get_router
 from narwhal.web.http11 import Connections
 from narwhal.web.probes import probe_listener, ready_answer
 
-__all__ = ["CUT_GRACE_S", "Shutdown", "hypercorn_config", "serve"]
+__all__ = [
+    "CUT_GRACE_S",
+    "Shutdown",
+    "console",
+    "hypercorn_config",
+    "lifespan",
+    "listening",
+    "serve",
+    "watch_signals",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +105,7 @@ class Shutdown:
 
     async def drain(
         self,
-        router: Router,
+        router: RouterBase,
         connections: Connections,
         *,
         deadline_s: float,
@@ -128,9 +139,12 @@ async def serve(
     config: Config,
     *,
     bind: str | None = None,
+    app: QuartTrio | None = None,
+    sockets: Sequence[socket.socket] | None = None,
     transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     handle_signals: bool = False,
+    say: Callable[[str], None] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the router until cancelled, or until a graceful shutdown ends.
@@ -141,32 +155,54 @@ async def serve(
     Args:
         config: the configuration.
         bind: ``HOST:PORT`` overriding ``serving.bind`` (port 0 picks a free port).
-        transports: optional in-process transports by engine name.
+        app: an application already built (a relay worker's,
+            :func:`narwhal.workers.worker.create_worker_app`) instead of
+            ``create_app(config, transports=transports)``. The probe listener
+            (``serving.probe_bind``) is only opened for an app whose router holds the books
+            (a :class:`~narwhal.router.Router`): a relay worker's controller answers probes.
+        sockets: listening sockets already bound (a relay worker's, inherited from ``narwhal
+            serve``) instead of binding ``bind`` or ``serving.bind``; ``serve`` closes them
+            when it ends.
+        transports: optional in-process transports by engine name (not with ``app``).
         shutdown_trigger: awaitable that begins a graceful shutdown when it returns.
         handle_signals: SIGINT and SIGTERM begin a graceful shutdown (the first) and end its
             drain at once (the second), reporting on standard error (the command line).
+        say: where the shutdown's progress lines go (default: standard error with
+            ``handle_signals``, else the log).
         task_status: receives the list of bound URLs once listening.
 
     Raises:
         OSError: the address cannot be bound.
+        ValueError: ``app`` with ``transports``, or ``sockets`` with ``bind``.
     """
-    app = create_app(config, transports=transports)
+    if app is not None and transports is not None:
+        raise ValueError("serve(): transports are for the app serve builds, not for app=")
+    if sockets is not None and bind is not None:
+        raise ValueError("serve(): bind is for the sockets serve binds, not for sockets=")
+    if app is None:
+        app = create_app(config, transports=transports)
     router = get_router(app)
     shutdown = Shutdown()
-    say = _console if handle_signals else log.info
+    if say is None:
+        say = console if handle_signals else log.info
+    listen: str | Sequence[socket.socket] = (
+        sockets if sockets is not None else bind or config.serving.bind
+    )
     try:
         # serving.probe_bind: /health and /ready from their own thread (narwhal.web.probes).
-        with probe_listener(config) as probes:
+        with probe_listener(config) if isinstance(router, Router) else nullcontext() as probes:
             async with trio.open_nursery() as watchers:
-                if probes is not None:
+                if probes is not None and isinstance(router, Router):
                     watchers.start_soon(probes.publish, partial(ready_answer, router))
                 if handle_signals:
-                    await watchers.start(_signals, shutdown, say)
+                    await watchers.start(watch_signals, shutdown, say)
                 if shutdown_trigger is not None:
                     watchers.start_soon(_trigger, shutdown_trigger, shutdown)
-                await _serve(app, config, bind or config.serving.bind, shutdown, say, task_status)
+                await _serve(app, config, listen, shutdown, say, task_status)
                 watchers.cancel_scope.cancel()
     finally:
+        for sock in sockets or ():
+            sock.close()  # given to serve, which may have ended before listening on them
         # A cancelled serve skips the lifespan shutdown: close the engine connections here
         # too (closing twice is harmless).
         with trio.CancelScope(shield=True):
@@ -176,27 +212,28 @@ async def serve(
 async def _serve(
     app: QuartTrio,
     config: Config,
-    bind: str,
+    listen: str | Sequence[socket.socket],
     shutdown: Shutdown,
     say: Callable[[str], None],
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
     router = get_router(app)
-    settings = hypercorn_config(bind)
-    asgi = wrap_app(app, settings.wsgi_max_body_size, "asgi")
-    connections = Connections(
-        asgi,
-        settings,
-        header_timeout_s=config.serving.header_timeout_s,
-        on_header_timeout=lambda: router.metrics.count_client_timeout("headers"),
-    )
-    async with trio.open_nursery() as lifespan_nursery:
-        lifespan = Lifespan(asgi, settings, {})
-        await lifespan_nursery.start(lifespan.handle_lifespan)
-        await lifespan.wait_for_startup()
+    settings = hypercorn_config(listen if isinstance(listen, str) else config.serving.bind)
+    async with lifespan(app, settings) as asgi:
+        connections = Connections(
+            asgi,
+            settings,
+            header_timeout_s=config.serving.header_timeout_s,
+            on_header_timeout=lambda: router.count_client_timeout("headers"),
+        )
         async with trio.open_nursery() as handlers:
             try:
-                async with _listening(settings) as (listeners, urls):
+                sockets = (
+                    settings.create_sockets().insecure_sockets
+                    if isinstance(listen, str)
+                    else list(listen)
+                )
+                async with listening(sockets, settings.backlog) as (listeners, urls):
                     async with trio.open_nursery() as accepting:
                         accepting.start_soon(
                             partial(
@@ -222,21 +259,36 @@ async def _serve(
             finally:
                 connections.abort()
                 handlers.cancel_scope.cancel()
-        await lifespan.wait_for_shutdown()
+
+
+@asynccontextmanager
+async def lifespan(app: QuartTrio, settings: HypercornConfig) -> AsyncIterator[AppWrapper]:
+    """``app`` started (its ASGI lifespan: the router's engines, polls, lease) while the block
+    runs, and shut down at its end; yields the app wrapped for Hypercorn's protocol code.
+
+    Raises:
+        hypercorn.utils.LifespanFailureError: the app's startup or shutdown failed.
+    """
+    asgi = wrap_app(app, settings.wsgi_max_body_size, "asgi")
+    async with trio.open_nursery() as lifespan_nursery:
+        running = Lifespan(asgi, settings, {})
+        await lifespan_nursery.start(running.handle_lifespan)
+        await running.wait_for_startup()
+        yield asgi
+        await running.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager
-async def _listening(
-    settings: HypercornConfig,
+async def listening(
+    sockets: Sequence[socket.socket], backlog: int
 ) -> AsyncIterator[tuple[list[trio.SocketListener], list[str]]]:
-    """Listening sockets for ``settings.bind`` and their URLs; closed on exit."""
-    sockets = settings.create_sockets().insecure_sockets
+    """Trio listeners on bound ``sockets`` and their URLs; every socket is closed on exit."""
     listeners: list[trio.SocketListener] = []
     urls: list[str] = []
     try:
         for sock in sockets:
-            sock.listen(settings.backlog)
+            sock.listen(backlog)
             urls.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         yield listeners, urls
@@ -253,7 +305,7 @@ async def _trigger(trigger: Callable[[], Awaitable[None]], shutdown: Shutdown) -
     shutdown.request()
 
 
-async def _signals(
+async def watch_signals(
     shutdown: Shutdown,
     say: Callable[[str], None],
     *,
@@ -272,5 +324,6 @@ async def _signals(
                 shutdown.hurry()
 
 
-def _console(message: str) -> None:
+def console(message: str) -> None:
+    """``message`` on standard error, as the command line reports (``narwhal: ...``)."""
     print(f"narwhal: {message}", file=sys.stderr, flush=True)

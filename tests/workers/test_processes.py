@@ -1,0 +1,319 @@
+"""``narwhal serve`` with ``serving.workers = 2`` as processes, in front of two ``narwhal sim``
+engine processes (free ports, bounded, polling with deadlines).
+
+Which worker accepts a connection is the kernel's choice; to make it the test's, the other
+worker is paused (SIGSTOP) while a client connects, so that only one process calls ``accept``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from narwhal.bench.procstat import descendants
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.realtime
+
+URL = re.compile(rb"serving '[^']*' on (http://127\.0\.0\.1:\d+) with 2 relay workers")
+SIM_URL = re.compile(rb"(http://127\.0\.0\.1:\d+)")
+_numbers = itertools.count()
+
+
+class Process:
+    """A ``python -m narwhal`` child: stdout read as needed, stderr to a file (a full pipe would
+    stall the process)."""
+
+    def __init__(self, process: trio.Process, errors: Path) -> None:
+        self.process = process
+        self.errors = errors
+        self.output = bytearray()
+
+    async def find(self, pattern: re.Pattern[bytes], within_s: float = 60) -> str:
+        assert self.process.stdout is not None
+        with trio.fail_after(within_s):
+            while not (found := pattern.search(self.output)):
+                data = await self.process.stdout.receive_some(4096)
+                assert data, f"the process ended: {bytes(self.output)!r} {self.stderr()}"
+                self.output.extend(data)
+        return found.group(1).decode()
+
+    def stderr(self) -> str:
+        return self.errors.read_text(errors="replace")
+
+
+async def start(folder: Path, *args: str) -> Process:
+    errors = folder / f"stderr-{args[0]}-{next(_numbers)}.txt"
+    with open(errors, "wb") as sink:  # noqa: ASYNC230 - a file handle for the child
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "narwhal", *args],
+            stdout=subprocess.PIPE,
+            stderr=sink,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return Process(process, errors)
+
+
+class Pool:
+    """The serve process, its URL, and the PIDs of its relay workers."""
+
+    def __init__(self, serve: Process, url: str) -> None:
+        self.serve = serve
+        self.url = url
+
+    def workers(self) -> list[int]:
+        return sorted(descendants(self.serve.process.pid)[1:])
+
+    async def ready(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        body: dict[str, Any] = (await client.get(f"{self.url}/ready")).json()
+        return body
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
+    processes: list[Process] = []
+    try:
+        engines = []
+        for seed in range(2):
+            sim = await start(
+                tmp_path, "sim", "--bind", "127.0.0.1:0", "--model", MODEL, "--seed", str(seed)
+            )
+            processes.append(sim)
+            engines.append(await sim.find(SIM_URL))
+        config = tmp_path / "config.toml"
+        text = f'[serving]\nmodel = "{MODEL}"\nbind = "127.0.0.1:0"\nworkers = 2\n\n'
+        text += "[control]\ndrain_deadline_s = 30\n\n"
+        for index, url in enumerate(engines):
+            text += f'[[engines]]\nname = "engine-{index}"\nurl = "{url}"\n\n'
+        config.write_text(text)
+        serve = await start(tmp_path, "serve", "--config", str(config))
+        processes.append(serve)
+        pool = Pool(serve, await serve.find(URL))
+        async with httpx.AsyncClient(timeout=5) as client:
+            with trio.fail_after(30):
+                while (await client.get(f"{pool.url}/ready")).status_code != 200:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+        assert len(pool.workers()) == 2
+        yield pool
+    finally:
+        for process in processes:
+            if process.process.returncode is None:
+                process.process.kill()
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await process.process.wait()
+        # No relay worker outlives the test (they are in process groups of their own).
+        for process in processes:
+            assert b"Traceback" not in process.errors.read_bytes(), process.stderr()
+
+
+@contextmanager
+def paused(pids: list[int]) -> Iterator[None]:
+    """``pids`` stopped while the block runs: none of them accepts a connection meanwhile."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def chat_body(output_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "stream": True,
+        "messages": [{"role": "user", "content": "a long story"}],
+        "narwhal_sim": {"output_tokens": output_tokens},
+    }
+
+
+class Stream:
+    """One streamed chat on a client (and so a connection) of its own."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.error: str | None = None
+
+    @property
+    def payloads(self) -> list[str]:
+        return [line[6:] for line in self.text.splitlines() if line.startswith("data: ")]
+
+    async def run(
+        self, url: str, output_tokens: int, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """Stream; ``started`` at the first event (the worker that accepted it serves it)."""
+        try:
+            async with (
+                httpx.AsyncClient(timeout=30) as client,
+                client.stream(
+                    "POST", f"{url}/v1/chat/completions", json=chat_body(output_tokens)
+                ) as response,
+            ):
+                assert response.status_code == 200
+                async for piece in response.aiter_text():
+                    if not self.text:
+                        task_status.started()
+                    self.text += piece
+        except httpx.HTTPError as exc:
+            self.error = type(exc).__name__
+            if not self.text:
+                raise
+
+
+async def streams_on(
+    nursery: trio.Nursery, pool: Pool, worker: int, count: int, output_tokens: int
+) -> list[Stream]:
+    """``count`` streams served by ``worker`` (every other worker paused while they begin)."""
+    others = [pid for pid in pool.workers() if pid != worker]
+    streams = [Stream() for _ in range(count)]
+    with paused(others), trio.fail_after(30):
+        for stream in streams:
+            await nursery.start(partial(stream.run, pool.url, output_tokens))
+    return streams
+
+
+def openai_stream(url: str) -> tuple[str, str | None, int]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=20) as client:
+        text, finish, chunks = "", None, 0
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hello there"}],
+            stream=True,
+            max_tokens=12,
+        )
+        for chunk in stream:
+            chunks += 1
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish, chunks
+
+
+async def served_by(pool: Pool, worker: int) -> tuple[str, str | None, int]:
+    """An openai streamed chat that only ``worker`` can accept."""
+    others = [pid for pid in pool.workers() if pid != worker]
+    with paused(others), trio.fail_after(30):
+        return await trio.to_thread.run_sync(openai_stream, pool.url)
+
+
+def balanced(counters: dict[str, int]) -> bool:
+    terminals = sum(
+        v for k, v in counters.items() if k not in ("offered", "unsized_offered", "in_flight")
+    )
+    return counters["offered"] == terminals + counters["in_flight"]
+
+
+async def settled(pool: Pool, client: httpx.AsyncClient) -> dict[str, Any]:
+    """``/ready`` once no request is in flight and no engine holds a slot."""
+    with trio.fail_after(30):
+        while True:
+            ready = await pool.ready(client)
+            assert balanced(ready["counters"]), ready["counters"]
+            occupied = [
+                engine["occupancy"]
+                for engine in ready["engines"]
+                if engine["occupancy"]["prefill"] or engine["occupancy"]["decode"]
+            ]
+            if ready["counters"]["in_flight"] == 0 and not occupied:
+                return ready
+            await trio.sleep(0.05)
+
+
+# -- the tests ------------------------------------------------------------------------------------
+
+
+async def test_both_workers_serve_openai_streams_from_one_pool(pool: Pool) -> None:
+    workers = pool.workers()
+    for worker in workers:
+        text, finish, chunks = await served_by(pool, worker)
+        assert text and finish in ("stop", "length") and chunks >= 2
+    async with httpx.AsyncClient(timeout=5) as client:
+        ready = await settled(pool, client)
+        # One set of books whichever worker answers: both requests are in it.
+        assert ready["counters"]["completed"] == 2
+        for worker in workers:
+            with paused([pid for pid in workers if pid != worker]), trio.fail_after(30):
+                async with httpx.AsyncClient(timeout=5) as fresh:  # a connection it accepts
+                    again = await pool.ready(fresh)
+            assert again["counters"] == ready["counters"]
+        metrics = (await client.get(f"{pool.url}/metrics")).text
+    assert "\nnarwhal_offered_total 2.0\n" in metrics
+
+
+async def test_a_killed_worker_is_accounted_its_slots_released_and_it_is_replaced(
+    pool: Pool,
+) -> None:
+    doomed, survivor = pool.workers()
+    async with httpx.AsyncClient(timeout=5) as client, trio.open_nursery() as nursery:
+        lost = await streams_on(nursery, pool, doomed, 3, 50_000)
+        kept = await streams_on(nursery, pool, survivor, 3, 50_000)
+        running = await pool.ready(client)
+        assert running["counters"]["in_flight"] == 6
+        assert sum(engine["occupancy"]["decode"] for engine in running["engines"]) == 6
+
+        os.kill(doomed, signal.SIGKILL)
+        with trio.fail_after(30):
+            while not all(stream.error for stream in lost):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+            # The survivor's streams still run.
+            lengths = [len(stream.text) for stream in kept]
+            while not all(len(s.text) > n for s, n in zip(kept, lengths, strict=True)):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        assert not any(stream.error for stream in kept)
+        nursery.cancel_scope.cancel()  # the survivor's clients go away
+
+    async with httpx.AsyncClient(timeout=5) as client:
+        ready = await settled(pool, client)
+        counters = ready["counters"]
+        assert counters["offered"] == 6
+        assert counters["failed"] == 3  # the killed worker's: worker_lost
+        assert counters["cancelled"] == 3  # the survivor's, whose clients left
+        metrics = (await client.get(f"{pool.url}/metrics")).text
+        assert 'narwhal_failed_total{reason="worker_lost"} 3.0' in metrics
+
+    # It is replaced, and the new worker serves.
+    with trio.fail_after(30):
+        while len(workers := pool.workers()) != 2 or doomed in workers:  # noqa: ASYNC110
+            await trio.sleep(0.05)
+    (new,) = [pid for pid in workers if pid != survivor]
+    text, finish, _ = await served_by(pool, new)
+    assert text and finish in ("stop", "length")
+    assert f"(pid {doomed}) exited with status -9; starting another" in pool.serve.stderr()
+
+
+async def test_sigterm_drains_the_workers_and_exits_0(pool: Pool) -> None:
+    workers = pool.workers()
+    async with trio.open_nursery() as nursery:
+        streams = [
+            *await streams_on(nursery, pool, workers[0], 1, 300),
+            *await streams_on(nursery, pool, workers[1], 1, 300),
+        ]
+        pool.serve.process.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            code = await pool.serve.process.wait()
+    assert code == 0, pool.serve.stderr()
+    for stream in streams:  # both ran to their end while the workers drained
+        assert stream.error is None
+        assert stream.payloads[-1] == "[DONE]"
+        assert "error" not in json.loads(stream.payloads[-2])
+    errors = pool.serve.stderr()
+    assert "SIGTERM: shutting down" in errors
+    assert "Traceback" not in errors
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
