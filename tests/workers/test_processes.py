@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -26,6 +27,7 @@ import pytest
 import trio
 
 from narwhal.bench.procstat import descendants
+from narwhal.bench.services import free_port
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.realtime
@@ -57,14 +59,14 @@ class Process:
         return self.errors.read_text(errors="replace")
 
 
-async def start(folder: Path, *args: str) -> Process:
+async def start(folder: Path, *args: str, module: str = "narwhal", **env: str) -> Process:
     errors = folder / f"stderr-{args[0]}-{next(_numbers)}.txt"
     with open(errors, "wb") as sink:  # noqa: ASYNC230 - a file handle for the child
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "narwhal", *args],
+            [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
             stderr=sink,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
         )
     return Process(process, errors)
 
@@ -84,23 +86,34 @@ class Pool:
         return body
 
 
+async def engines(folder: Path, processes: list[Process]) -> str:
+    """Two ``narwhal sim`` processes; their ``[[engines]]`` tables."""
+    text = ""
+    for seed in range(2):
+        sim = await start(
+            folder, "sim", "--bind", "127.0.0.1:0", "--model", MODEL, "--seed", str(seed)
+        )
+        processes.append(sim)
+        text += f'[[engines]]\nname = "engine-{seed}"\nurl = "{await sim.find(SIM_URL)}"\n\n'
+    return text
+
+
+async def stop_all(processes: list[Process]) -> None:
+    for process in processes:
+        if process.process.returncode is None:
+            process.process.kill()
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            await process.process.wait()
+
+
 @pytest.fixture
 async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
     processes: list[Process] = []
     try:
-        engines = []
-        for seed in range(2):
-            sim = await start(
-                tmp_path, "sim", "--bind", "127.0.0.1:0", "--model", MODEL, "--seed", str(seed)
-            )
-            processes.append(sim)
-            engines.append(await sim.find(SIM_URL))
         config = tmp_path / "config.toml"
         text = f'[serving]\nmodel = "{MODEL}"\nbind = "127.0.0.1:0"\nworkers = 2\n\n'
         text += "[control]\ndrain_deadline_s = 30\n\n"
-        for index, url in enumerate(engines):
-            text += f'[[engines]]\nname = "engine-{index}"\nurl = "{url}"\n\n'
-        config.write_text(text)
+        config.write_text(text + await engines(tmp_path, processes))
         serve = await start(tmp_path, "serve", "--config", str(config))
         processes.append(serve)
         pool = Pool(serve, await serve.find(URL))
@@ -111,12 +124,7 @@ async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
         assert len(pool.workers()) == 2
         yield pool
     finally:
-        for process in processes:
-            if process.process.returncode is None:
-                process.process.kill()
-            with trio.CancelScope(shield=True), trio.move_on_after(10):
-                await process.process.wait()
-        # No relay worker outlives the test (they are in process groups of their own).
+        await stop_all(processes)
         for process in processes:
             assert b"Traceback" not in process.errors.read_bytes(), process.stderr()
 
@@ -317,3 +325,59 @@ async def test_sigterm_drains_the_workers_and_exits_0(pool: Pool) -> None:
     for pid in workers:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_hypercorns_own_workers_share_one_controller(tmp_path: Path) -> None:
+    processes: list[Process] = []
+    # A short folder: a Unix socket's path has at most 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="nw-") as short:
+        socket_path = f"{short}/controller.sock"
+        try:
+            config = tmp_path / "config.toml"
+            text = f'[serving]\nmodel = "{MODEL}"\ncontroller_socket = "{socket_path}"\n\n'
+            config.write_text(text + await engines(tmp_path, processes))
+            controller = await start(tmp_path, "controller", "--config", str(config))
+            processes.append(controller)
+            assert await controller.find(re.compile(rb"controller for '[^']*' on (\S+)")) == (
+                socket_path
+            )
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            hypercorn = await start(
+                tmp_path,
+                "-k",
+                "trio",
+                "-w",
+                "2",
+                "--bind",
+                f"127.0.0.1:{port}",
+                "narwhal.asgi:app()",
+                module="hypercorn",
+                NARWHAL_CONFIG=str(config),
+            )
+            processes.append(hypercorn)
+            async with httpx.AsyncClient(timeout=5) as client:
+                with trio.fail_after(30):
+                    while True:
+                        try:
+                            if (await client.get(f"{url}/ready")).status_code == 200:
+                                break
+                        except httpx.TransportError:
+                            pass
+                        await trio.sleep(0.05)
+                for _ in range(4):
+                    text, finish, _ = await trio.to_thread.run_sync(openai_stream, url)
+                    assert text and finish in ("stop", "length")
+                ready = (await client.get(f"{url}/ready")).json()
+            assert ready["counters"]["offered"] == ready["counters"]["completed"] == 4
+
+            hypercorn.process.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                await hypercorn.process.wait()
+            controller.process.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                assert await controller.process.wait() == 0, controller.stderr()
+            assert not os.path.exists(socket_path)  # noqa: ASYNC240 - one stat, after the exit
+            assert "Traceback" not in controller.stderr()
+        finally:
+            await stop_all(processes)
