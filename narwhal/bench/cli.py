@@ -272,6 +272,12 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
         help="run Narwhal with this configuration's settings (engines and model replaced)",
     )
     parser.add_argument(
+        "--workers",
+        metavar="N,N,...",
+        help="run Narwhal once per value of serving.workers (relay worker processes under one "
+        "admission controller) and report each, with the controller's and the workers' CPU",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=defaults.request_timeout_s,
@@ -418,6 +424,11 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         levels = parse_levels(
             args.concurrency, args.requests, QUICK_LEVELS if args.quick else OVERHEAD_LEVELS
         )
+        workers = (
+            None
+            if args.workers is None
+            else tuple(dict.fromkeys(_integers(args.workers, "--workers")))
+        )
     except ValueError as exc:
         print(f"narwhal bench overhead: {exc}", file=sys.stderr)
         return 2
@@ -436,6 +447,7 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         request_timeout_s=args.request_timeout,
         startup_timeout_s=args.startup_timeout,
         log_dir=args.log_dir,
+        workers=workers,
     )
 
     return _run_processes("overhead", partial(run_overhead, settings), args.output)
@@ -611,6 +623,15 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         help="refused requests forced in, one rerun each: at 0.5x, then at every other load "
         f"(default {_DEFAULT_SAMPLES}; --quick {_QUICK_SAMPLES})",
     )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="serve through N relay workers under the router as their admission controller "
+        "(in-process, over memory streams; default %(default)s: one process). The capacity "
+        "and memory runs stay single-process",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument(
         "--jobs",
@@ -732,6 +753,7 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
         trace=args.trace,
         duration_s=duration,
         truth=_truth(args, types, router),
+        workers=args.workers,
     )
     return AdmissionSettings(
         setup=setup,

@@ -7,14 +7,22 @@ against the direct path and each router in alternating rounds (the target order 
 round), so that noise on the shared machine lands on all of them alike. During each target's
 rounds it samples the CPU time of that target's process and of the engine from ``/proc``; after
 each level, each router's resident memory.
+
+With ``workers`` (``--workers 1,2``), Narwhal runs once per value of ``serving.workers``, each
+its own target (``narwhal`` for 1, ``narwhal-wN`` for N relay workers under one admission
+controller), measured in the same alternating rounds, and the report adds a relay-workers
+table (:class:`WorkerFigures`): its CPU split between the controller (the ``narwhal serve``
+process itself) and the workers (the sum of its child processes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +32,7 @@ from typing import Any
 import attrs
 import trio
 
-from narwhal.bench import load
+from narwhal.bench import load, procstat
 from narwhal.bench.procstat import environment
 from narwhal.bench.report import (
     DIRECT,
@@ -50,9 +58,15 @@ from narwhal.config import AdmissionConfig, Config, EngineConfig, config_to_toml
 __all__ = [
     "DEFAULT_LEVELS",
     "QUICK_LEVELS",
+    "WORKERS_METHOD",
     "Level",
     "OverheadSettings",
+    "WorkerFigures",
+    "WorkersOverheadReport",
     "narwhal_config_text",
+    "narwhal_target",
+    "process_tree_cpu",
+    "render_workers",
     "run_overhead",
     "split_rounds",
 ]
@@ -96,6 +110,9 @@ class OverheadSettings:
         log_dir: where the processes' logs and Narwhal's configuration go (a temporary folder,
             removed at the end, when ``None``).
         ttft_bound_s: the bar for Narwhal's added p50 TTFT at c=1.
+        workers: the values of ``serving.workers`` to run Narwhal with, each a target of its
+            own (:func:`narwhal_target`), and the relay-workers table; ``None``: one Narwhal,
+            with the configuration's value, and no such table.
     """
 
     model: str = "llama-3.1-8b-instruct"
@@ -113,6 +130,7 @@ class OverheadSettings:
     startup_timeout_s: float = 60.0
     log_dir: Path | None = None
     ttft_bound_s: float = 0.002
+    workers: tuple[int, ...] | None = None
 
     def as_json(self) -> dict[str, Any]:
         """Plain values for the JSON report."""
@@ -130,9 +148,15 @@ class _Target:
     name: str
     url: str
     service: Service | None
+    workers: int | None = None  # serving.workers, for a Narwhal target of --workers
 
     def cpu_seconds(self) -> float | None:
         return None if self.service is None else self.service.cpu_seconds()
+
+    def cpu_split(self) -> tuple[float, float] | None:
+        """CPU seconds so far of the process itself and of its descendants (a Narwhal with
+        relay workers: the controller and the workers)."""
+        return None if self.service is None else process_tree_cpu(self.service.pid)
 
 
 @attrs.define
@@ -144,6 +168,8 @@ class _Tally:
     cpu_s: float | None = None
     engine_cpu_s: float | None = None
     loadgen_cpu_s: float = 0.0
+    own_cpu_s: float = 0.0
+    children_cpu_s: float = 0.0
 
 
 def split_rounds(requests: int, rounds: int) -> list[int]:
@@ -153,8 +179,16 @@ def split_rounds(requests: int, rounds: int) -> list[int]:
     return [share + (1 if index < extra else 0) for index in range(rounds)]
 
 
-def narwhal_config_text(model: str, engine_url: str, base: Path | None = None) -> str:
-    """Narwhal's TOML for the run: ``base``'s settings with one engine.
+def narwhal_target(workers: int) -> str:
+    """The target name of Narwhal with ``workers`` relay workers (``narwhal`` for one)."""
+    return NARWHAL if workers == 1 else f"{NARWHAL}-w{workers}"
+
+
+def narwhal_config_text(
+    model: str, engine_url: str, base: Path | None = None, *, workers: int | None = None
+) -> str:
+    """Narwhal's TOML for the run: ``base``'s settings with one engine (and
+    ``serving.workers`` = ``workers`` when given).
 
     Without ``base``, the defaults with the per-engine phase limits lifted: a zero-delay engine
     has no capacity to protect, and this benchmark measures the relay, not admission queueing
@@ -169,9 +203,12 @@ def narwhal_config_text(model: str, engine_url: str, base: Path | None = None) -
         config = Config(
             admission=AdmissionConfig(prefill_concurrency=4096, decode_concurrency=4096)
         )
+    serving = attrs.evolve(config.serving, model=model)
+    if workers is not None:
+        serving = attrs.evolve(serving, workers=workers)
     config = attrs.evolve(
         config,
-        serving=attrs.evolve(config.serving, model=model),
+        serving=serving,
         engines=(EngineConfig(name="sim", url=engine_url, dialect="vllm"),),
     )
     return config_to_toml(config)
@@ -194,14 +231,19 @@ def run_overhead(settings: OverheadSettings, *, echo: Echo = print) -> OverheadR
         else:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nwbench-")))
         engine, targets = _start(settings, log_dir, stack, echo)
-        levels = trio.run(_measure, settings, targets, engine, echo)
+        measured = trio.run(_measure, settings, targets, engine, echo)
     environment = _environment(settings, engine_started=engine is not None)
-    return OverheadReport(
-        settings=settings.as_json(),
-        environment=environment,
-        levels=tuple(levels),
-        checks=evaluate_checks(levels, ttft_bound_s=settings.ttft_bound_s),
-    )
+    levels = [level for level, _ in measured]
+    fields: dict[str, Any] = {
+        "settings": settings.as_json(),
+        "environment": environment,
+        "levels": tuple(levels),
+        "checks": evaluate_checks(levels, ttft_bound_s=settings.ttft_bound_s),
+    }
+    if settings.workers is None:
+        return OverheadReport(**fields)
+    figures = tuple(figure for _, level_figures in measured for figure in level_figures)
+    return WorkersOverheadReport(**fields, workers=figures)
 
 
 def _start(
@@ -225,13 +267,21 @@ def _start(
         engine.wait_ready(model_ready, deadline_s=settings.startup_timeout_s)
     targets = [_Target(DIRECT, engine_url, None)]
 
-    config_path = log_dir / "narwhal.toml"
-    config_path.write_text(narwhal_config_text(settings.model, engine_url, settings.narwhal_config))
-    port = free_port()
-    argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config_path)]
-    argv += ["--bind", f"127.0.0.1:{port}"]
-    narwhal = _launch(NARWHAL, argv, f"http://127.0.0.1:{port}", log_dir, stack)
-    targets.append(_Target(NARWHAL, narwhal.url, narwhal))
+    narwhals: list[Service] = []
+    for workers in settings.workers or (None,):
+        name = NARWHAL if workers is None else narwhal_target(workers)
+        config_path = log_dir / f"{name}.toml"
+        config_path.write_text(
+            narwhal_config_text(
+                settings.model, engine_url, settings.narwhal_config, workers=workers
+            )
+        )
+        port = free_port()
+        argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config_path)]
+        argv += ["--bind", f"127.0.0.1:{port}"]
+        narwhal = _launch(name, argv, f"http://127.0.0.1:{port}", log_dir, stack)
+        narwhals.append(narwhal)
+        targets.append(_Target(name, narwhal.url, narwhal, workers))
 
     vllm_router: Service | None = None
     if settings.vllm_router:
@@ -248,8 +298,9 @@ def _start(
         vllm_router = _launch(VLLM_ROUTER, argv, f"http://127.0.0.1:{port}", log_dir, stack)
         targets.append(_Target(VLLM_ROUTER, vllm_router.url, vllm_router))
 
-    narwhal.wait_ready([("/ready", status_ok)], deadline_s=settings.startup_timeout_s)
-    echo(f"narwhal: ready on {narwhal.url}")
+    for narwhal in narwhals:
+        narwhal.wait_ready([("/ready", status_ok)], deadline_s=settings.startup_timeout_s)
+        echo(f"{narwhal.name}: ready on {narwhal.url}")
     if vllm_router is not None:
         vllm_router.wait_ready(model_ready, deadline_s=settings.startup_timeout_s)
         echo(f"vllm-router: ready on {vllm_router.url} (policy {settings.vllm_router_policy})")
@@ -266,8 +317,8 @@ def _launch(
 
 async def _measure(
     settings: OverheadSettings, targets: list[_Target], engine: Service | None, echo: Echo
-) -> list[LevelReport]:
-    reports: list[LevelReport] = []
+) -> list[tuple[LevelReport, list[WorkerFigures]]]:
+    reports: list[tuple[LevelReport, list[WorkerFigures]]] = []
 
     def body_for(index: int) -> bytes:
         return load.chat_body(settings.model, output_tokens=settings.output_tokens, index=index)
@@ -304,7 +355,7 @@ async def _measure_level(
     engine: Service | None,
     pools: dict[str, load.ClientPool],
     body_for: load.BodyFactory,
-) -> LevelReport:
+) -> tuple[LevelReport, list[WorkerFigures]]:
     concurrency = level.concurrency
     for target in targets:
         await load.run_closed_loop(
@@ -321,6 +372,7 @@ async def _measure_level(
         for target in targets[turn:] + targets[:turn]:
             tally = tallies[target.name]
             cpu_before = target.cpu_seconds()
+            split_before = target.cpu_split() if target.workers is not None else None
             engine_before = None if engine is None else engine.cpu_seconds()
             started, loadgen_before = time.perf_counter(), time.process_time()
             tally.records += await load.run_closed_loop(
@@ -334,6 +386,10 @@ async def _measure_level(
             tally.wall_s += time.perf_counter() - started
             tally.loadgen_cpu_s += time.process_time() - loadgen_before
             tally.cpu_s = _add(tally.cpu_s, cpu_before, target.cpu_seconds())
+            split_after = target.cpu_split() if split_before is not None else None
+            if split_before is not None and split_after is not None:
+                tally.own_cpu_s += split_after[0] - split_before[0]
+                tally.children_cpu_s += split_after[1] - split_before[1]
             if engine is not None:
                 tally.engine_cpu_s = _add(tally.engine_cpu_s, engine_before, engine.cpu_seconds())
     results = []
@@ -353,7 +409,20 @@ async def _measure_level(
                 peak_rss_bytes=None if memory is None else memory.peak_rss_bytes,
             )
         )
-    return LevelReport(concurrency=concurrency, rounds=len(shares), results=tuple(results))
+    level_report = LevelReport(concurrency=concurrency, rounds=len(shares), results=tuple(results))
+    figures = [
+        WorkerFigures.of(
+            level_report,
+            target.name,
+            target.workers,
+            records=tallies[target.name].records,
+            controller_cpu_s=tallies[target.name].own_cpu_s,
+            workers_cpu_s=tallies[target.name].children_cpu_s,
+        )
+        for target in targets
+        if target.workers is not None
+    ]
+    return level_report, figures
 
 
 def _add(total: float | None, before: float | None, after: float | None) -> float | None:
@@ -370,3 +439,165 @@ def _environment(settings: OverheadSettings, *, engine_started: bool) -> dict[st
     )
     facts["engine"] = "narwhal sim" if engine_started else settings.engine_url
     return facts
+
+
+# -- relay workers ------------------------------------------------------------------------------
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+WORKERS_METHOD = (
+    "Controller CPU per request: CPU seconds of the `narwhal serve` process itself (the "
+    "admission controller) during the target's rounds, divided by its requests; workers' CPU "
+    "per request: the same for the sum of its child processes (the relay workers). With one "
+    "worker everything runs in one process and counts as the controller. A controller on one "
+    "full core keeps up with at most 1 / (controller CPU per request) requests per second, and "
+    "a relay worker on one full core relays 1 / (workers' CPU per request), so one controller "
+    "can serve about (workers' CPU per request) / (controller CPU per request) workers, each on "
+    "a core of its own, before the controller is the bottleneck."
+)
+
+
+def process_tree_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of ``pid`` itself and of all its live descendants together, read in
+    one pass over ``/proc`` (a descendant that has exited is no longer counted)."""
+    own = children = 0
+    for member in procstat.descendants(pid):
+        try:
+            text = (Path("/proc") / str(member) / "stat").read_text()
+            stat = procstat.parse_stat(text)
+        except (OSError, ValueError):
+            continue  # it ended between the listing and the read
+        ticks = stat.utime_ticks + stat.stime_ticks
+        if member == pid:
+            own += ticks
+        else:
+            children += ticks
+    return own / _TICKS_PER_S, children / _TICKS_PER_S
+
+
+@attrs.frozen
+class WorkerFigures:
+    """One Narwhal target of ``--workers`` at one level (see :data:`WORKERS_METHOD`).
+
+    Attributes:
+        target: its name (:func:`narwhal_target`).
+        workers: ``serving.workers``.
+        concurrency: requests in flight at once.
+        requests: requests measured.
+        errors: of which did not end in a complete, error-free stream.
+        added_ttft_p50_s: its p50 TTFT minus the direct path's.
+        added_ttft_p99_s: the same at p99.
+        throughput_rps: requests per second over its rounds.
+        chunks_per_s: output events relayed per second over its rounds.
+        controller_cpu_s_per_request: the ``narwhal serve`` process's own CPU per request.
+        workers_cpu_s_per_request: its child processes' CPU per request (0 with one worker).
+    """
+
+    target: str
+    workers: int
+    concurrency: int
+    requests: int
+    errors: int
+    added_ttft_p50_s: float | None
+    added_ttft_p99_s: float | None
+    throughput_rps: float | None
+    chunks_per_s: float | None
+    controller_cpu_s_per_request: float | None
+    workers_cpu_s_per_request: float | None
+
+    @classmethod
+    def of(
+        cls,
+        level: LevelReport,
+        target: str,
+        workers: int,
+        *,
+        records: Sequence[load.RequestRecord],
+        controller_cpu_s: float,
+        workers_cpu_s: float,
+    ) -> WorkerFigures:
+        """The figures of ``target`` in ``level`` (its records, and its CPU split summed over
+        its rounds)."""
+        result = level.result(target)
+        added = level.added(target)
+        requests = len(records)
+        wall_s = result.wall_s if result is not None else 0.0
+        chunks = sum(record.output_events for record in records if record.ok)
+        return cls(
+            target=target,
+            workers=workers,
+            concurrency=level.concurrency,
+            requests=requests,
+            errors=sum(1 for record in records if not record.ok),
+            added_ttft_p50_s=None if added is None else added.ttft_p50_s,
+            added_ttft_p99_s=None if added is None else added.ttft_p99_s,
+            throughput_rps=requests / wall_s if wall_s > 0 else None,
+            chunks_per_s=chunks / wall_s if wall_s > 0 else None,
+            controller_cpu_s_per_request=controller_cpu_s / requests if requests else None,
+            workers_cpu_s_per_request=workers_cpu_s / requests if requests else None,
+        )
+
+    @property
+    def workers_per_controller(self) -> float | None:
+        """How many relay workers one controller on one core can serve: the workers' CPU per
+        request over the controller's (``None`` with one worker, or nothing measured)."""
+        controller, workers = self.controller_cpu_s_per_request, self.workers_cpu_s_per_request
+        if self.workers < 2 or not controller or workers is None:
+            return None
+        return workers / controller
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain values for the JSON report."""
+        return attrs.asdict(self) | {"workers_per_controller": self.workers_per_controller}
+
+
+@attrs.frozen
+class WorkersOverheadReport(OverheadReport):
+    """The overhead report with the relay-workers table (``--workers``)."""
+
+    workers: tuple[WorkerFigures, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON report, with ``workers`` and how its figures are computed."""
+        return super().as_json() | {
+            "workers": [figure.as_json() for figure in self.workers],
+            "workers_method": WORKERS_METHOD,
+        }
+
+    def render(self) -> str:
+        """The readable tables, the relay-workers one after the levels."""
+        return super().render() + "\n\n" + "\n".join(render_workers(self.workers))
+
+
+def render_workers(figures: Sequence[WorkerFigures]) -> list[str]:
+    """The relay-workers table: one row per Narwhal target and level."""
+    lines = [
+        "Relay workers: Narwhal with each serving.workers value, in the same rounds. CPU in ms "
+        "per request,",
+        "split between the controller (the narwhal serve process) and the workers (its child "
+        "processes).",
+        f"{'target':<14}{'c':>5}{'ok':>6}{'err':>5}{'+TTFT p50':>11}{'p99':>9}{'req/s':>8}"
+        f"{'chunks/s':>10}{'ctl CPU':>9}{'wrk CPU':>9}{'workers/ctl':>13}",
+    ]
+    for figure in figures:
+        lines.append(
+            f"{figure.target:<14}{figure.concurrency:>5}{figure.requests - figure.errors:>6}"
+            f"{figure.errors:>5}{_ms(figure.added_ttft_p50_s):>11}"
+            f"{_ms(figure.added_ttft_p99_s):>9}{_number(figure.throughput_rps, 0):>8}"
+            f"{_number(figure.chunks_per_s, 0):>10}"
+            f"{_ms(figure.controller_cpu_s_per_request, signed=False):>9}"
+            f"{_ms(figure.workers_cpu_s_per_request, signed=False):>9}"
+            f"{_number(figure.workers_per_controller, 1):>13}"
+        )
+    lines += ["", *textwrap.wrap(WORKERS_METHOD, 100)]
+    return lines
+
+
+def _ms(seconds: float | None, *, signed: bool = True) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:+.2f}" if signed else f"{seconds * 1000:.2f}"
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
