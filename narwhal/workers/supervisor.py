@@ -252,17 +252,19 @@ async def _controlling(
                     nursery.start_soon(probes.publish, partial(ready_answer, router))
                 if handle_signals:
                     await nursery.start(watch_signals, shutdown, say)
-                async with lifespan(app, hypercorn_config(config.serving.bind)):
-                    listener = await open_controller_listener(socket_path)
-                    try:
+                # The socket first: a path that cannot be listened on fails before the engines
+                # are polled.
+                listener = await _listen(config, socket_path)
+                try:
+                    async with lifespan(app, hypercorn_config(config.serving.bind)):
                         controller = Controller(router, app)
                         async with trio.open_nursery() as controlling:
                             await controlling.start(controller.run, listener)
                             yield router, controller
                             controlling.cancel_scope.cancel()
-                    finally:
-                        with trio.CancelScope(shield=True):
-                            await listener.aclose()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await listener.aclose()
                 nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
@@ -292,7 +294,7 @@ async def serve_workers(
 
     Raises:
         OSError: the address cannot be bound.
-        ConfigError: the probe listener cannot be bound.
+        ConfigError: the probe listener or the controller's socket cannot be made.
         WorkerStartError: a worker exited before every worker had connected.
     """
     settings = hypercorn_config(bind or config.serving.bind)
@@ -386,9 +388,8 @@ async def run_controller(
         task_status: receives the socket path once the controller listens.
 
     Raises:
-        ConfigError: ``serving.controller_socket`` is empty, or the probe listener cannot be
-            bound.
-        OSError: the socket cannot be made.
+        ConfigError: ``serving.controller_socket`` is empty or cannot be listened on, or the
+            probe listener cannot be bound.
     """
     socket_path = config.serving.controller_socket
     if not socket_path:
@@ -419,6 +420,22 @@ async def run_controller(
                 nursery.cancel_scope.cancel()
     finally:
         _remove(socket_path)
+
+
+async def _listen(config: Config, socket_path: str) -> trio.SocketListener:
+    """The controller's listener, or a :class:`ConfigError` that names the key to change."""
+    try:
+        return await open_controller_listener(socket_path)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if config.serving.controller_socket:
+            raise ConfigError(
+                f"serving.controller_socket: cannot listen on {socket_path}: {reason}"
+            ) from exc
+        raise ConfigError(
+            f"cannot make the controller's socket {socket_path}: {reason} (set "
+            "serving.controller_socket to a path that can be)"
+        ) from exc
 
 
 async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import tomllib
 from collections.abc import Callable
@@ -269,3 +270,49 @@ def test_usage_lists_the_controller_but_not_the_worker(capsys: pytest.CaptureFix
     usage = capsys.readouterr().out
     assert "controller --config FILE" in usage
     assert "  worker" not in usage
+
+
+def narwhal(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "narwhal", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.realtime
+def test_serve_with_workers_on_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        bind = f"127.0.0.1:{taken.getsockname()[1]}"
+        path.write_text(
+            f'[serving]\nmodel = "{MODEL}"\nbind = "{bind}"\nworkers = 2\n'
+            '[[engines]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+        )
+        done = narwhal("serve", "--config", str(path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"narwhal serve: cannot listen on {bind}: Address already in use"
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("command", ["serve", "controller"])
+def test_a_controller_socket_that_cannot_be_made_is_one_line_and_exit_2(
+    tmp_path: Path, command: str
+) -> None:
+    path = tmp_path / "config.toml"
+    missing = tmp_path / "no-such-folder" / "c.sock"
+    path.write_text(
+        f'[serving]\nmodel = "{MODEL}"\nbind = "127.0.0.1:0"\nworkers = 2\n'
+        f'controller_socket = "{missing}"\n'
+        '[[engines]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
+    done = narwhal(command, "--config", str(path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"narwhal {command}: serving.controller_socket: cannot listen on {missing}: "
+        "No such file or directory"
+    )
