@@ -35,6 +35,7 @@ pytestmark = pytest.mark.realtime
 URL = re.compile(rb"serving '[^']*' on (http://127\.0\.0\.1:\d+) with 2 relay workers")
 SIM_URL = re.compile(rb"(http://127\.0\.0\.1:\d+)")
 _numbers = itertools.count()
+DRAIN_S = 30
 
 
 class Process:
@@ -74,9 +75,10 @@ async def start(folder: Path, *args: str, module: str = "narwhal", **env: str) -
 class Pool:
     """The serve process, its URL, and the PIDs of its relay workers."""
 
-    def __init__(self, serve: Process, url: str) -> None:
+    def __init__(self, serve: Process, url: str, probes: str) -> None:
         self.serve = serve
         self.url = url
+        self.probes = probes
 
     def workers(self) -> list[int]:
         return sorted(descendants(self.serve.process.pid)[1:])
@@ -111,12 +113,13 @@ async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
     processes: list[Process] = []
     try:
         config = tmp_path / "config.toml"
-        text = f'[serving]\nmodel = "{MODEL}"\nbind = "127.0.0.1:0"\nworkers = 2\n\n'
-        text += "[control]\ndrain_deadline_s = 30\n\n"
+        probes = f"127.0.0.1:{free_port()}"
+        text = f'[serving]\nmodel = "{MODEL}"\nbind = "127.0.0.1:0"\nworkers = 2\n'
+        text += f'probe_bind = "{probes}"\n\n[control]\ndrain_deadline_s = {DRAIN_S}\n\n'
         config.write_text(text + await engines(tmp_path, processes))
         serve = await start(tmp_path, "serve", "--config", str(config))
         processes.append(serve)
-        pool = Pool(serve, await serve.find(URL))
+        pool = Pool(serve, await serve.find(URL), f"http://{probes}")
         async with httpx.AsyncClient(timeout=5) as client:
             with trio.fail_after(30):
                 while (await client.get(f"{pool.url}/ready")).status_code != 200:  # noqa: ASYNC110
@@ -260,6 +263,13 @@ async def test_both_workers_serve_openai_streams_from_one_pool(pool: Pool) -> No
                     again = await pool.ready(fresh)
             assert again["counters"] == ready["counters"]
         metrics = (await client.get(f"{pool.url}/metrics")).text
+        # The controller's probe listener answers for the pool too (the workers have none).
+        with trio.fail_after(10):
+            while (probe := (await client.get(f"{pool.probes}/ready")).json())[  # noqa: ASYNC110
+                "counters"
+            ] != ready["counters"]:
+                await trio.sleep(0.05)
+        assert probe["state"] == "active"
     assert "\nnarwhal_offered_total 2.0\n" in metrics
 
 
@@ -381,3 +391,26 @@ async def test_hypercorns_own_workers_share_one_controller(tmp_path: Path) -> No
             assert "Traceback" not in controller.stderr()
         finally:
             await stop_all(processes)
+
+
+async def test_a_second_signal_ends_the_workers_streams_in_band_and_exits_0(pool: Pool) -> None:
+    workers = pool.workers()
+    async with trio.open_nursery() as nursery:
+        streams = [
+            *await streams_on(nursery, pool, workers[0], 1, 50_000),
+            *await streams_on(nursery, pool, workers[1], 1, 50_000),
+        ]
+        pool.serve.process.send_signal(signal.SIGINT)
+        with trio.fail_after(10):
+            while "draining:" not in pool.serve.stderr():  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        pool.serve.process.send_signal(signal.SIGINT)
+        with trio.fail_after(30):
+            code = await pool.serve.process.wait()
+    errors = pool.serve.stderr()
+    assert code == 0, errors
+    assert "SIGINT again: ending the drain now" in errors
+    for stream in streams:  # each ended whole: an in-band error, then [DONE]
+        assert stream.error is None
+        assert stream.payloads[-1] == "[DONE]"
+        assert json.loads(stream.payloads[-2])["error"]["code"] == "shutdown"
