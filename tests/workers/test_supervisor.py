@@ -17,6 +17,8 @@ import httpx
 import pytest
 import trio
 
+from narwhal.asgi import CONFIG_ENV
+from narwhal.asgi import app as asgi_app
 from narwhal.cli import main
 from narwhal.config import (
     Config,
@@ -25,8 +27,9 @@ from narwhal.config import (
     config_to_mapping,
     config_to_toml,
 )
+from narwhal.router import Router
 from narwhal.server import serve
-from narwhal.web.app import create_app
+from narwhal.web.app import create_app, get_router
 from narwhal.workers.supervisor import (
     Backoff,
     Workers,
@@ -34,6 +37,7 @@ from narwhal.workers.supervisor import (
     worker_argv,
     worker_config,
 )
+from narwhal.workers.worker import WorkerRouter
 from tests.conftest import MODEL, engine_config
 
 # -- pure parts -----------------------------------------------------------------------------------
@@ -316,3 +320,15 @@ def test_a_controller_socket_that_cannot_be_made_is_one_line_and_exit_2(
         f"narwhal {command}: serving.controller_socket: cannot listen on {missing}: "
         "No such file or directory"
     )
+
+
+def test_the_hypercorn_factory_builds_a_relay_worker_when_a_controller_socket_is_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "config.toml"
+    engines = '[[engines]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    path.write_text(f'[serving]\nmodel = "{MODEL}"\ncontroller_socket = "/tmp/c.sock"\n{engines}')
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    assert isinstance(get_router(asgi_app()), WorkerRouter)
+    path.write_text(f'[serving]\nmodel = "{MODEL}"\n{engines}')
+    assert isinstance(get_router(asgi_app()), Router)
