@@ -193,7 +193,7 @@ def refuse_unless_active(state: str) -> None:
         )
 
 
-def _never() -> bool:
+def _never(request_id: str) -> bool:
     return False
 
 
@@ -398,9 +398,9 @@ class Router(RouterBase):
         self.observers = Observers()
         self.metrics = Metrics(self)
         self.observers.add(self.metrics)
-        # Asked, in the request's own task, when predictive admission would refuse it: true
-        # lets it in all the same, as shadow mode would (the benchmark's forced-in reruns).
-        self.exempt: Callable[[], bool] = _never
+        # Asked with the request's id when predictive admission would refuse it: true lets it
+        # in all the same, as shadow mode would (the benchmark's forced-in reruns).
+        self.exempt: Callable[[str], bool] = _never
 
     @property
     def state(self) -> RouterState:
@@ -432,7 +432,7 @@ class Router(RouterBase):
     async def placement(
         self, request_id: str, waiter: Waiter, arrival: float
     ) -> AsyncIterator[Placed]:
-        decision = self.decide(waiter, arrival)
+        decision = self.decide(waiter, arrival, request_id)
         projection = decision.projection
         teach = None
         if projection is not None:  # the margin learns how the projection fared (shadow too)
@@ -448,7 +448,7 @@ class Router(RouterBase):
             self.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
             yield Placed(slot, decision, teach)
 
-    def decide(self, waiter: Waiter, arrival: float) -> Decision:
+    def decide(self, waiter: Waiter, arrival: float, request_id: str = "") -> Decision:
         """Decide on a sized request, tell the observers what and why, then apply it.
 
         ``open`` mode projects nothing; ``predictive`` and ``shadow`` project the request's
@@ -488,9 +488,9 @@ class Router(RouterBase):
         verdict: Verdict = "admitted"
         if not serviceable:
             verdict = "unavailable"
-        elif refusal is not None and mode == "predictive" and not self.exempt():
+        elif refusal is not None and mode == "predictive" and not self.exempt(request_id):
             verdict = "refused"
-        decision = Decision.of(mode, budget, verdict, projection, refusal)
+        decision = Decision.of(mode, budget, verdict, projection, refusal, request_id=request_id)
         self.observers.decided(decision)
         if verdict == "unavailable":
             raise Unavailable("No engine is eligible to serve this request; retry shortly.")

@@ -45,6 +45,7 @@ class Decision:
             the verdict is ``admitted`` it was recorded and not applied: a shadow-mode
             would-be refusal.
         headers: the refusal's headers (``Retry-After`` among them), as it would send them.
+        request_id: the request's id (its ``x-request-id``), whichever process served it.
     """
 
     mode: AdmissionMode
@@ -53,6 +54,7 @@ class Decision:
     projection: Projection | None = None
     code: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
+    request_id: str = ""
 
     @classmethod
     def of(
@@ -62,12 +64,14 @@ class Decision:
         verdict: Verdict,
         projection: Projection | None = None,
         refusal: PredictiveRefusal | None = None,
+        *,
+        request_id: str = "",
     ) -> Decision:
         """A decision, with ``refusal``'s code and headers (the object itself is not kept)."""
         if refusal is None:
-            return cls(mode, budget_s, verdict, projection)
+            return cls(mode, budget_s, verdict, projection, request_id=request_id)
         headers = tuple(refusal.headers.items())
-        return cls(mode, budget_s, verdict, projection, refusal.code, headers)
+        return cls(mode, budget_s, verdict, projection, refusal.code, headers, request_id)
 
     @property
     def retry_after(self) -> str | None:

@@ -33,6 +33,7 @@ import attrs
 import httpx
 import orjson
 import trio
+import trio.testing
 
 from narwhal.config import Config
 from narwhal.router import Router
@@ -44,6 +45,7 @@ from narwhal.sim.timing import profile as timing_profile
 from narwhal.sim.transport import SimTransport
 from narwhal.upstream.transport import read_once
 from narwhal.web.app import create_app, get_router
+from narwhal.workers.worker import WorkerRouter
 
 __all__ = [
     "ASGIStreamTransport",
@@ -390,6 +392,7 @@ async def open_fleet(
     truth: EngineTruth | None = None,
     span_s: float | None = None,
     max_num_queued_tokens: Sequence[int | None] = (),
+    workers: int = 1,
 ) -> AsyncIterator[InProcessFleet]:
     """Start the router of ``config`` in front of one simulated engine per configured engine.
 
@@ -399,7 +402,10 @@ async def open_fleet(
     slowdowns are scheduled at their fraction of ``span_s`` from the moment this yields. With
     ``max_num_queued_tokens``, each engine (by position) does its own admission as vLLM's
     ``--max-num-queued-tokens`` (:attr:`SimEngine.max_num_queued_tokens`; ``None``: none).
-    Returns once ``/ready`` would be 200 (unless ``wait_ready`` is false); on exit every task of
+    With ``workers`` > 1 the router is an admission controller with that many relay workers
+    (:mod:`narwhal.workers`), each reaching it through a memory stream, and the client's
+    requests go to the workers in turn; ``router`` is the controller's. Returns once
+    ``/ready`` would be 200 (unless ``wait_ready`` is false); on exit every task of
     the fleet is cancelled and the app shut down.
 
     Raises:
@@ -434,9 +440,11 @@ async def open_fleet(
     app = create_app(config, transports=transports)
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(run_lifespan, app))
-        client = httpx.AsyncClient(
-            transport=ASGIStreamTransport(app, nursery), base_url="http://narwhal.bench"
-        )
+        transport: httpx.AsyncBaseTransport = ASGIStreamTransport(app, nursery)
+        relays: list[WorkerRouter] = []
+        if workers > 1:
+            transport, relays = await _start_workers(nursery, config, app, transports, workers)
+        client = httpx.AsyncClient(transport=transport, base_url="http://narwhal.bench")
         fleet = InProcessFleet(get_router(app), client, engines, nursery)
         try:
             if wait_ready:
@@ -448,6 +456,54 @@ async def open_fleet(
                     engine.schedule_slowdown(now + slowdown.at * span_s, slowdown.factor)
             yield fleet
         finally:
+            for relay in relays:
+                relay.begin_drain()  # they stop with their controller
             nursery.cancel_scope.cancel()
             with trio.CancelScope(shield=True):
                 await client.aclose()
+
+
+class _InTurn(httpx.AsyncBaseTransport):
+    """Each request to the next of ``transports``, in turn."""
+
+    def __init__(self, transports: Sequence[httpx.AsyncBaseTransport]) -> None:
+        self._transports = transports
+        self._next = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        transport = self._transports[self._next]
+        self._next = (self._next + 1) % len(self._transports)
+        return await transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for transport in self._transports:
+            await transport.aclose()
+
+
+async def _start_workers(
+    nursery: trio.Nursery,
+    config: Config,
+    app: Any,
+    transports: Mapping[str, httpx.AsyncBaseTransport],
+    workers: int,
+) -> tuple[httpx.AsyncBaseTransport, list[WorkerRouter]]:
+    """``workers`` relay workers under ``app``'s router as their controller, each over a
+    memory stream: the transport that sends requests to them in turn, and their routers."""
+    from narwhal.workers.controller import Controller
+
+    controller = Controller(get_router(app), app)
+    inner = []
+    routers = []
+    for _ in range(workers):
+        ours, theirs = trio.testing.memory_stream_pair()
+        nursery.start_soon(controller.serve_worker, theirs)
+
+        async def connect(stream: trio.abc.Stream = ours) -> trio.abc.Stream:
+            return stream
+
+        router = WorkerRouter(config, connect, transports=transports)
+        worker = create_app(config, router=router)
+        await nursery.start(partial(run_lifespan, worker))
+        inner.append(ASGIStreamTransport(worker, nursery))
+        routers.append(router)
+    return _InTurn(inner), routers

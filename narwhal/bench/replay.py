@@ -127,6 +127,8 @@ class VirtualSetup:
         duration_s: seconds of trace replayed (trace time); ``None``: all of it.
         truth: how the simulated engines really behave (engine types, a scale, a slowdown during
             each replay), whatever the router's profiles say.
+        workers: relay workers under the router as their admission controller
+            (:mod:`narwhal.workers`); 1: the router serves in one process.
     """
 
     router: Config
@@ -137,6 +139,7 @@ class VirtualSetup:
     trace: str = "conv"
     duration_s: float | None = None
     truth: EngineTruth = attrs.field(factory=EngineTruth)
+    workers: int = 1
 
     def rows(self) -> list[TraceRequest]:
         """The trace rows replayed (unscaled)."""
@@ -300,6 +303,14 @@ class _Probe:
 _PROBE: contextvars.ContextVar[_Probe | None] = contextvars.ContextVar(
     "narwhal_bench_probe", default=None
 )
+# The same probes by their request's id: relay workers' controller decides in its own tasks,
+# which do not carry the request's context (``workers`` > 1).
+_PROBES: weakref.WeakValueDictionary[str, _Probe] = weakref.WeakValueDictionary()
+
+
+def _probe_of(request_id: str) -> _Probe | None:
+    probe = _PROBE.get()
+    return _PROBES.get(request_id) if probe is None else probe
 
 
 class _Recorder:
@@ -308,7 +319,7 @@ class _Recorder:
     TTFT the router measured and the one it predicted at placement."""
 
     def decided(self, decision: Decision) -> None:
-        probe = _PROBE.get()
+        probe = _probe_of(decision.request_id)
         if probe is None or decision.projection is None:
             return
         probe.projected_ttft_s = decision.projection.typical_s
@@ -316,7 +327,7 @@ class _Recorder:
             probe.would_refuse = True  # forced in all the same (the router's exempt hook)
 
     def served(self, decision: Decision, served: Served) -> None:
-        probe = _PROBE.get()
+        probe = _probe_of(decision.request_id)
         ttft = served.ttft_s
         if probe is None or ttft is None:
             return
@@ -326,8 +337,8 @@ class _Recorder:
             probe.placement_ttft_s = ttft / ratio
 
 
-def _forced() -> bool:
-    probe = _PROBE.get()
+def _forced(request_id: str) -> bool:
+    probe = _probe_of(request_id)
     return probe is not None and probe.forced
 
 
@@ -455,7 +466,9 @@ async def _send(
     # Sent once and let go: a client waiting for its answer holds no prompt, so the memory
     # measurement sees the router's share, not the load generator's.
     content = OneShotBody(body)
-    headers = {**_HEADERS, "content-length": str(len(body))}
+    request_id = f"bench-{id(probe):x}-{row.index}"
+    _PROBES[request_id] = probe
+    headers = {**_HEADERS, "content-length": str(len(body)), "x-request-id": request_id}
     del body
     try:
         async with fleet.client.stream("POST", _PATH, content=content, headers=headers) as response:
@@ -476,6 +489,10 @@ async def _send(
         record("cut", finished=False)  # the run ended before this request did
         raise
 
+
+_SETTLE_S = 1.0
+"""How long (virtual) a replay through relay workers waits for their last messages to reach
+the controller before it reads the books."""
 
 _PER_REQUEST_LOGGERS = ("narwhal.upstream.exchange", "narwhal.web.completions")
 
@@ -835,6 +852,7 @@ async def _replay(job: ReplayJob) -> ReplayResult:
         seed=setup.seed,
         tokens_per_chunk=setup.tokens_per_chunk,
         max_num_queued_tokens=caps,
+        workers=setup.workers,
     ) as fleet:
         origin = trio.current_time()
         with _hooks(fleet), _ledgered(fleet, _Ledger(origin, window)) as ledger:
@@ -855,6 +873,10 @@ async def _replay(job: ReplayJob) -> ReplayResult:
                 sampler.sample()  # the state at the end
                 sampling.cancel_scope.cancel()
             virtual_s = trio.current_time() - origin
+            if setup.workers > 1:  # the workers' last messages are still on their way
+                with trio.move_on_after(_SETTLE_S):
+                    while fleet.router.accounting.in_flight:  # noqa: ASYNC110 - books, not an event
+                        await trio.sleep(0.001)
             books = fleet.router.statistics().accounting.as_json()
             if caps:
                 books["engine_rejections"] = sum(
@@ -866,6 +888,10 @@ async def _replay(job: ReplayJob) -> ReplayResult:
         index: attrs.evolve(
             _engine_busy(outcome) if caps else outcome,
             engine_work_s=probes[index].work_s if probes[index].ran else None,
+            # What the router learnt after the client had its answer (relay workers tell
+            # their controller a moment later).
+            router_ttft_s=probes[index].router_ttft_s,
+            placement_ttft_s=probes[index].placement_ttft_s,
         )
         for index, outcome in outcomes.items()
     }

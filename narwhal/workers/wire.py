@@ -64,6 +64,7 @@ class Channel:
         self._calls: dict[int, _Pending] = {}
         self._next_call = 0
         self._gone = trio.Event()
+        self._scope: trio.CancelScope | None = None
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -112,6 +113,9 @@ class Channel:
         starts tasks for what takes time)."""
         try:
             async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
+                if self.closed:
+                    nursery.cancel_scope.cancel()
                 nursery.start_soon(self._write)
                 task_status.started()
                 await self._read(handle)
@@ -124,6 +128,8 @@ class Channel:
     def close(self) -> None:
         """Close the channel now; :meth:`run` returns."""
         self._close()
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def wait_closed(self) -> None:
         """Return once the channel has closed."""

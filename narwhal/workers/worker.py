@@ -392,9 +392,9 @@ class WorkerRouter(RouterBase):
     ) -> None:
         try:
             await channel.run(self._handle, task_status=task_status)
-        finally:
-            if not self.lost.is_set():
+            if not self._draining:
                 log.warning("relay worker %d lost its admission controller; draining", os.getpid())
+        finally:  # ended, or cancelled (the worker stops)
             self._draining = True
             self.lost.set()
 

@@ -30,7 +30,7 @@ from narwhal.web.app import create_app, get_router
 from narwhal.workers.controller import Controller
 from narwhal.workers.worker import PROGRESS_S, WorkerRouter
 from tests.conftest import MODEL, engine_config
-from tests.support import sse_payloads, until
+from tests.support import Pluggable, sse_payloads, until
 
 pytestmark = pytest.mark.usefixtures("autojump_clock")
 
@@ -40,6 +40,7 @@ class Worker:
     router: WorkerRouter
     client: httpx.AsyncClient
     scope: trio.CancelScope
+    plugs: dict[str, Pluggable]  # this worker's way to each engine
 
     async def chat(self, **body: Any) -> httpx.Response:
         body.setdefault("model", MODEL)
@@ -132,7 +133,8 @@ async def _start_worker(
     async def connect() -> trio.abc.Stream:
         return ours
 
-    router = WorkerRouter(settings, connect, transports=sims)
+    plugs = {name: Pluggable(sim) for name, sim in sims.items()}
+    router = WorkerRouter(settings, connect, transports=plugs)
     app = create_app(settings, router=router)
     scope = trio.CancelScope()
 
@@ -148,7 +150,7 @@ async def _start_worker(
         transport=ASGIStreamTransport(app, nursery), base_url="http://narwhal.test"
     )
     clients.append(client)
-    return Worker(router, client, scope)
+    return Worker(router, client, scope, plugs)
 
 
 def _content(response: httpx.Response) -> str:
@@ -309,3 +311,58 @@ async def test_the_controller_learns_a_streams_progress_while_it_runs(
     assert trio.current_time() - start >= 0.5
     assert seen and seen[0] > 0.5 / 0.02  # told every PROGRESS_S, not only at the end
     assert PROGRESS_S <= 0.05
+
+
+async def test_a_failed_attempt_is_retried_on_the_engine_the_controller_gives(
+    start_pool: StartPool,
+) -> None:
+    pool = await start_pool(admission=AdmissionConfig(mode="open"))
+    pool.sims["sim-a"].engine.set_directives({"fault": "http_500"})
+    statuses = []
+    for _ in range(6):
+        statuses.append((await pool.workers[0].chat(max_tokens=4)).status_code)
+    assert statuses == [200] * 6
+    await pool.assert_quiescent()
+    engines = {engine.name: engine for engine in pool.router.statistics().engines}
+    assert engines["sim-a"].failed >= 1  # counted where the pool's books are
+    assert engines["sim-b"].completed == 6
+
+
+async def test_an_engine_a_worker_cannot_reach_opens_the_pools_circuit(
+    start_pool: StartPool,
+) -> None:
+    pool = await start_pool(admission=AdmissionConfig(mode="open"))
+    first, second = pool.workers
+    first.plugs["sim-a"].down = True  # only this worker's way there is cut
+    sim_a = next(engine for engine in pool.router.pool if engine.name == "sim-a")
+    for _ in range(4):
+        assert (await first.chat(max_tokens=4)).status_code == 200
+        if not sim_a.eligible:
+            break
+    assert not sim_a.eligible  # the controller's circuit: the failure was told
+    await until(lambda: not second.router.mirrors.by_name["sim-a"].eligible)
+    before = pool.sims["sim-a"].statistics().completion_requests
+    for _ in range(3):  # the other worker places nothing there while the circuit is open
+        assert (await second.chat(max_tokens=4)).status_code == 200
+    assert pool.sims["sim-a"].statistics().completion_requests == before
+    await pool.assert_quiescent()
+
+
+async def test_a_worker_that_sends_garbage_is_cut_off_and_accounted(
+    start_pool: StartPool,
+) -> None:
+    pool = await start_pool(admission=AdmissionConfig(mode="open"))
+    bad, good = pool.workers
+    async with trio.open_nursery() as clients:
+        clients.start_soon(
+            partial(bad.chat, stream=True, max_tokens=999, narwhal_sim={"output_tokens": 999})
+        )
+        await until(lambda: sum(e.decode for e in pool.router.pool) == 1)
+        channel = bad.router.channel
+        assert channel is not None
+        channel.send({"t": "no-such-message"})
+        await until(lambda: pool.controller.connected == 1)
+        clients.cancel_scope.cancel()
+    await pool.assert_quiescent()
+    assert pool.router.statistics().accounting.by_reason[("failed", "worker_lost")] == 1
+    assert (await good.chat(max_tokens=4)).status_code == 200
