@@ -623,6 +623,15 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         help="refused requests forced in, one rerun each: at 0.5x, then at every other load "
         f"(default {_DEFAULT_SAMPLES}; --quick {_QUICK_SAMPLES})",
     )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="serve through N relay workers under the router as their admission controller "
+        "(in-process, over memory streams; default %(default)s: one process). The capacity "
+        "and memory runs stay single-process",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument(
         "--jobs",
@@ -744,6 +753,7 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
         trace=args.trace,
         duration_s=duration,
         truth=_truth(args, types, router),
+        workers=args.workers,
     )
     return AdmissionSettings(
         setup=setup,
