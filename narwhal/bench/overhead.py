@@ -565,8 +565,10 @@ class WorkersOverheadReport(OverheadReport):
         }
 
     def render(self) -> str:
-        """The readable tables, the relay-workers one after the levels."""
-        return super().render() + "\n\n" + "\n".join(render_workers(self.workers))
+        """The readable tables, the relay-workers one after the levels and before the
+        verdicts (the base report's last block)."""
+        levels, _, verdicts = super().render().rpartition("\n\n")
+        return "\n\n".join((levels, "\n".join(render_workers(self.workers)), verdicts))
 
 
 def render_workers(figures: Sequence[WorkerFigures]) -> list[str]:
