@@ -201,15 +201,23 @@ class Workers:
         backoff = attrs.evolve(self.backoff)
         while not self._stopping.is_set():
             began = trio.current_time()
-            process = await trio.lowlevel.open_process(
-                list(self.argv),
-                pass_fds=self.fds,
-                stdin=subprocess.DEVNULL,
-                process_group=0,
-            )
+            try:
+                process = await trio.lowlevel.open_process(
+                    list(self.argv),
+                    pass_fds=self.fds,
+                    stdin=subprocess.DEVNULL,
+                    process_group=0,
+                )
+            except OSError as exc:  # out of processes or descriptors: as if it had exited
+                if not self.serving:
+                    raise WorkerStartError(f"cannot start relay worker {slot + 1}: {exc}") from exc
+                await self._pause(slot, backoff, began, f"could not be started ({exc})")
+                continue
             self.starts += 1
             self._running[slot] = process
             log.info("relay worker %d started (pid %d)", slot + 1, process.pid)
+            if self._stopping.is_set():  # stopped while it was being started
+                process.send_signal(signal.SIGTERM)
             try:
                 code = await process.wait()
             finally:
@@ -223,16 +231,26 @@ class Workers:
             if self._stopping.is_set():
                 return
             if not self.serving:
-                raise WorkerStartError(
-                    f"relay worker {slot + 1} exited with status {code} while starting"
-                )
-            delay = backoff.delay(trio.current_time() - began)
-            self.say(
-                f"relay worker {slot + 1} (pid {process.pid}) exited with status {code}; "
-                f"starting another in {delay:g} s"
-            )
-            with trio.move_on_after(delay):
-                await self._stopping.wait()
+                raise WorkerStartError(f"relay worker {slot + 1} {_ended(code)} while starting")
+            await self._pause(slot, backoff, began, f"(pid {process.pid}) {_ended(code)}")
+
+    async def _pause(self, slot: int, backoff: Backoff, began: float, what: str) -> None:
+        """Say what became of the worker in ``slot``, then wait its turn on ``backoff``
+        (or until :meth:`stop`)."""
+        delay = backoff.delay(trio.current_time() - began)
+        self.say(f"relay worker {slot + 1} {what}; starting another in {delay:g} s")
+        with trio.move_on_after(delay):
+            await self._stopping.wait()
+
+
+def _ended(code: int) -> str:
+    """How a process ended, from its return code (negative: the signal that ended it)."""
+    if code < 0:
+        try:
+            return f"was ended by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was ended by signal {-code}"
+    return f"exited with status {code}"
 
 
 @contextlib.asynccontextmanager

@@ -311,7 +311,9 @@ async def test_a_killed_worker_is_accounted_its_slots_released_and_it_is_replace
     (new,) = [pid for pid in workers if pid != survivor]
     text, finish, _ = await served_by(pool, new)
     assert text and finish in ("stop", "length")
-    assert f"(pid {doomed}) exited with status -9; starting another" in pool.serve.stderr()
+    assert f"(pid {doomed}) was ended by SIGKILL; starting another in 0.5 s" in (
+        pool.serve.stderr()
+    )
 
 
 async def test_sigterm_drains_the_workers_and_exits_0(pool: Pool) -> None:

@@ -128,6 +128,25 @@ async def test_a_serving_worker_that_exits_is_restarted_with_backoff_then_stoppe
 
 
 @pytest.mark.realtime
+async def test_a_worker_that_cannot_be_started_fails_the_start_or_is_retried(
+    tmp_path: Path,
+) -> None:
+    missing = [str(tmp_path / "no-such-program")]
+    with trio.fail_after(20), pytest.raises(ExceptionGroup) as caught:
+        await Workers(missing, (), 1, print, FAST).run()
+    assert caught.group_contains(WorkerStartError, match="cannot start relay worker 1: ")
+    said: list[str] = []
+    workers = Workers(missing, (), 1, said.append, FAST)
+    workers.serving = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(workers.run)
+        await until(lambda: len(said) >= 3)
+        workers.stop()
+    assert said[0].startswith("relay worker 1 could not be started (")
+    assert said[0].endswith("); starting another in 0.01 s")
+
+
+@pytest.mark.realtime
 async def test_stop_terminates_workers_and_kill_ends_one_that_ignores_sigterm(
     tmp_path: Path,
 ) -> None:
