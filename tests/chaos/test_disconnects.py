@@ -258,11 +258,11 @@ async def test_mass_disconnects_over_real_sockets_are_cancelled(nursery: trio.Nu
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             try:
                 await stream.send_all(head(body))
-                received = 0
-                while received < wait_for_bytes:
+                received = b""
+                while len(received) < wait_for_bytes:
                     data = await stream.receive_some(65536)
-                    assert data, "the router closed a live stream"
-                    received += len(data)
+                    assert data, f"the router closed a live stream: {received[:300]!r}"
+                    received += data
                 await offered.wait()  # every request reached the router: now leave
                 if index % 3 == 0:  # an abortive close: the router's next write meets a reset
                     stream.socket.setsockopt(
