@@ -39,11 +39,13 @@ router's state and each engine's eligibility, token accounting, context length a
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import attrs
 import trio
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from narwhal.admission.accounting import Ticket
 from narwhal.admission.context import too_short
@@ -81,12 +83,15 @@ def encode_error(error: NarwhalError) -> Message:
 async def open_controller_listener(path: str) -> trio.SocketListener:
     """A listener on the Unix socket ``path`` (replacing a stale one), readable by its owner
     only."""
+    import errno
     import os
     import stat
 
     try:
         if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)
+            if await _answers(path):
+                raise OSError(errno.EADDRINUSE, f"a controller already listens on {path}")
+            os.unlink(path)  # a stale one, left by a controller that died
     except FileNotFoundError:
         pass
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
@@ -98,6 +103,16 @@ async def open_controller_listener(path: str) -> trio.SocketListener:
         sock.close()
         raise
     return trio.SocketListener(sock)
+
+
+async def _answers(path: str) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    try:
+        stream = await trio.open_unix_socket(path)
+    except OSError:
+        return False
+    await stream.aclose()
+    return True
 
 
 @attrs.define(eq=False)
@@ -136,6 +151,7 @@ class Controller:
         self.app = app
         self.workers: set[_Worker] = set()
         self._changed = trio.Event()
+        router.metrics.registry.register(_WorkersCollector(self))
 
     @property
     def connected(self) -> int:
@@ -145,6 +161,11 @@ class Controller:
     async def wait_connected(self, count: int) -> None:
         """Return once at least ``count`` workers are connected."""
         while self.connected < count:
+            await self._changed.wait()
+
+    async def wait_left(self) -> None:
+        """Return once no worker is connected."""
+        while self.connected:
             await self._changed.wait()
 
     def _notify(self) -> None:
@@ -530,6 +551,20 @@ class _Worker:
             chunks = []
         answer["body"] = b"".join(chunks).decode("latin-1")
         self.channel.answer(message, answer)
+
+
+class _WorkersCollector(Collector):
+    """``narwhal_relay_workers``: the relay workers connected to this controller."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "narwhal_relay_workers",
+            "Relay worker processes connected to this admission controller",
+            value=self._controller.connected,
+        )
 
 
 def _slot_answer(number: int, slot: Slot, arrival: float) -> Message:

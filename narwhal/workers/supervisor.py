@@ -433,8 +433,7 @@ async def run_controller(
                 deadline_s = config.control.drain_deadline_s + EXIT_GRACE_S
                 with trio.move_on_after(deadline_s) as waiting:
                     nursery.start_soon(_cancel_on, shutdown.hurried, waiting)
-                    while controller.connected:  # noqa: ASYNC110 - no event for a departure
-                        await trio.sleep(0.05)
+                    await controller.wait_left()
                 nursery.cancel_scope.cancel()
     finally:
         _remove(socket_path)

@@ -575,6 +575,7 @@ class WorkerRouter(RouterBase):
         self._draining = True
 
     async def aclose(self) -> None:
+        self._draining = True  # the channel's end is ours, not a lost controller
         if self.channel is not None:
             self.channel.close()
         for engine in self.pool:
