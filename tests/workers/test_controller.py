@@ -367,3 +367,17 @@ async def test_a_worker_that_sends_garbage_is_cut_off_and_accounted(
     await pool.assert_quiescent()
     assert pool.router.statistics().accounting.by_reason[("failed", "worker_lost")] == 1
     assert (await good.chat(max_tokens=4)).status_code == 200
+
+
+async def test_a_request_that_goes_as_sent_is_answered_whole_through_a_worker(
+    start_pool: StartPool,
+) -> None:
+    pool = await start_pool(admission=AdmissionConfig(mode="open"))
+    response = await pool.workers[1].client.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "Say it back", "max_tokens": 4, "echo": True},
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith("Say it back")
+    await pool.assert_quiescent()
+    assert sum(engine.completed for engine in pool.router.statistics().engines) == 1
