@@ -239,8 +239,8 @@ class RouterBase:
         """Count one arrival; its ticket, to use as a context manager around the request."""
         raise NotImplementedError
 
-    def retain(self, request_id: str) -> contextlib.AbstractAsyncContextManager[None]:
-        """Hold an HTTP retention slot while the block runs.
+    def retain(self, ticket: Ticket) -> contextlib.AbstractAsyncContextManager[None]:
+        """Hold an HTTP retention slot for ``ticket``'s request while the block runs.
 
         Raises:
             CapacityRejection: none is free (429 ``http_retention_full``).
@@ -248,10 +248,10 @@ class RouterBase:
         raise NotImplementedError
 
     def placement(
-        self, request_id: str, waiter: Waiter, arrival: float
+        self, ticket: Ticket, waiter: Waiter, arrival: float
     ) -> contextlib.AbstractAsyncContextManager[Placed]:
-        """Admit ``waiter`` (arrived at ``arrival``) and hold its placement while the block
-        runs, given back at exit however it ends.
+        """Admit ``ticket``'s request, sized as ``waiter`` (arrived at ``arrival``), and hold
+        its placement while the block runs, given back at exit however it ends.
 
         Raises:
             PredictiveRefusal: predictive mode refuses it.
@@ -418,10 +418,10 @@ class Router(RouterBase):
     # -- what every request passes through --------------------------------------------------------
 
     def offer(self, request_id: str) -> Ticket:
-        return self.accounting.offer()
+        return self.accounting.offer(request_id)
 
     @asynccontextmanager
-    async def retain(self, request_id: str) -> AsyncIterator[None]:
+    async def retain(self, ticket: Ticket) -> AsyncIterator[None]:
         with self.retention.hold():
             yield
 
@@ -430,9 +430,9 @@ class Router(RouterBase):
 
     @asynccontextmanager
     async def placement(
-        self, request_id: str, waiter: Waiter, arrival: float
+        self, ticket: Ticket, waiter: Waiter, arrival: float
     ) -> AsyncIterator[Placed]:
-        decision = self.decide(waiter, arrival, request_id)
+        decision = self.decide(waiter, arrival, ticket.request_id)
         projection = decision.projection
         teach = None
         if projection is not None:  # the margin learns how the projection fared (shadow too)

@@ -81,10 +81,11 @@ class Ticket:
     away), else ``failed`` with reason ``internal_error`` (a bug: it is logged).
     """
 
-    __slots__ = ("_books", "finished", "sized")
+    __slots__ = ("_books", "finished", "request_id", "sized")
 
-    def __init__(self, books: Accounting) -> None:
+    def __init__(self, books: Accounting, request_id: str = "") -> None:
         self._books = books
+        self.request_id = request_id  # the request's id (its x-request-id), for what it is asked
         self.sized = False
         self.finished: TerminalClass | None = None
 
@@ -129,10 +130,10 @@ class Accounting:
         self._by_reason: Counter[tuple[str, str]] = Counter()
         self._open: set[Ticket] = set()
 
-    def offer(self) -> Ticket:
+    def offer(self, request_id: str = "") -> Ticket:
         """Count one arrival and return its ticket."""
         self._offered += 1
-        ticket = Ticket(self)
+        ticket = Ticket(self, request_id)
         self._open.add(ticket)
         return ticket
 

@@ -131,7 +131,7 @@ async def _serve(
     config = router.config
     serving = config.serving
     router.check_state()
-    async with router.retain(client.request_id):
+    async with router.retain(ticket):
         # The body is read under the body timeout and the default deadline; the headers may
         # only shorten the deadline, and are checked after the size limit (413 comes first).
         deadline = arrival + serving.request_deadline_s
@@ -200,7 +200,7 @@ async def _answer(
     tokens = router.sizer.prompt_tokens(parsed)
     ticket.sized = True
     waiter = Waiter(tokens, need_ids, parsed.route, parsed.max_output_tokens)
-    async with router.placement(client.request_id, waiter, arrival) as placed:
+    async with router.placement(ticket, waiter, arrival) as placed:
         headers = {"x-request-id": client.request_id}
         if not streams_upstream(parsed):
             await _answer_whole(router, client, ticket, parsed, placed, arrival, headers)

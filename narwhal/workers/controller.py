@@ -313,7 +313,9 @@ class _Worker:
 
     def _offer(self, message: Message) -> None:
         key = str(message["id"])
-        self.requests[key] = _Request(key, self.router.offer(key))
+        if key in self.requests:
+            raise ValueError(f"request key {key!r} offered twice")
+        self.requests[key] = _Request(key, self.router.offer(str(message["rid"])))
 
     def _request(self, message: Message) -> _Request | None:
         return self.requests.get(str(message["id"]))
@@ -362,7 +364,7 @@ class _Worker:
         assert scope is not None
         try:
             with scope:
-                async with self.router.placement(request.key, waiter, request.arrival) as placed:
+                async with self.router.placement(request.ticket, waiter, request.arrival) as placed:
                     request.placed = placed
                     request.slots[0] = placed.slot
                     self.channel.answer(message, _slot_answer(0, placed.slot, request.arrival))

@@ -176,7 +176,7 @@ class MirrorPool(EnginePool):
         answer = await router.ask(
             {
                 "t": "retake",
-                "id": failed.request_id,
+                "id": failed.request_key,
                 "exclude": [engine.name for engine in exclude],
                 "ids": need_token_ids,
             }
@@ -184,7 +184,7 @@ class MirrorPool(EnginePool):
         if answer.get("none"):
             return None
         return router.slot(
-            failed.request_id,
+            failed.request_key,
             answer,
             failed.prompt_tokens,
             failed.route,
@@ -202,7 +202,7 @@ class RemoteSlot(Slot):
     gathered since.
     """
 
-    request_id: str = ""
+    request_key: str = ""  # its request's key on the channel
     number: int = 0
     arrival: float = 0.0
     router: WorkerRouter | None = None
@@ -250,7 +250,7 @@ class RemoteSlot(Slot):
             self.router.tell(
                 {
                     "t": "first",
-                    "id": self.request_id,
+                    "id": self.request_key,
                     "s": self.number,
                     "gen": generated,
                     "ttft": at - self.arrival,
@@ -272,7 +272,7 @@ class RemoteSlot(Slot):
         if router is None:
             return
         router.dirty.pop(self, None)
-        message: Message = {"t": "release", "id": self.request_id, "s": self.number}
+        message: Message = {"t": "release", "id": self.request_key, "s": self.number}
         progress = self.progress()
         if progress is not None:
             message["p"] = progress
@@ -282,10 +282,13 @@ class RemoteSlot(Slot):
 
 
 class _RemoteTicket(Ticket):
+    """A ticket whose books are the controller's; ``key`` names its request on the channel
+    (clients' request ids need not be unique)."""
+
     __slots__ = ("key",)
 
-    def __init__(self, books: Accounting, key: str) -> None:
-        super().__init__(books)
+    def __init__(self, books: Accounting, key: str, request_id: str) -> None:
+        super().__init__(books, request_id)
         self.key = key
 
 
@@ -341,6 +344,7 @@ class WorkerRouter(RouterBase):
         self._draining = False
         self._told = trio.Event()
         self.lost = trio.Event()
+        self._keys = 0
 
     # -- the channel ----------------------------------------------------------------------------
 
@@ -407,14 +411,14 @@ class WorkerRouter(RouterBase):
             for slot in self.dirty:
                 progress = slot.progress()
                 if progress is not None:
-                    updates.append([slot.request_id, slot.number, *progress])
+                    updates.append([slot.request_key, slot.number, *progress])
             self.dirty.clear()
             if updates:
                 self.tell({"t": "progress", "u": updates})
 
     def slot(
         self,
-        request_id: str,
+        key: str,
         answer: Message,
         tokens: int,
         route: str,
@@ -430,7 +434,7 @@ class WorkerRouter(RouterBase):
             route,
             max_tokens,
             arrival + float(answer["ttft"]),
-            request_id=request_id,
+            request_key=key,
             number=int(answer["s"]),
             arrival=arrival,
             router=self,
@@ -444,30 +448,34 @@ class WorkerRouter(RouterBase):
         refuse_unless_active(self.state)
 
     def offer(self, request_id: str) -> Ticket:
-        self.tell({"t": "offer", "id": request_id})
-        return _RemoteTicket(self.books, request_id)
+        self._keys += 1
+        key = f"{self._keys:x}"
+        self.tell({"t": "offer", "id": key, "rid": request_id})
+        return _RemoteTicket(self.books, key, request_id)
 
     @asynccontextmanager
-    async def retain(self, request_id: str) -> AsyncIterator[None]:
+    async def retain(self, ticket: Ticket) -> AsyncIterator[None]:
+        key = _key(ticket)
         try:
-            answer = await self.ask({"t": "retain", "id": request_id})
+            answer = await self.ask({"t": "retain", "id": key})
             if "err" in answer:
                 raise decode_error(answer["err"])
             yield
         finally:
-            self.tell({"t": "unretain", "id": request_id})
+            self.tell({"t": "unretain", "id": key})
 
     @asynccontextmanager
     async def placement(
-        self, request_id: str, waiter: Waiter, arrival: float
+        self, ticket: Ticket, waiter: Waiter, arrival: float
     ) -> AsyncIterator[Placed]:
+        key = _key(ticket)
         slot: RemoteSlot | None = None
         refused = False
         try:
             answer = await self.ask(
                 {
                     "t": "place",
-                    "id": request_id,
+                    "id": key,
                     "tokens": waiter.prompt_tokens,
                     "ids": waiter.need_token_ids,
                     "route": waiter.route,
@@ -479,7 +487,7 @@ class WorkerRouter(RouterBase):
                 refused = True
                 raise decode_error(answer["err"])
             slot = self.slot(
-                request_id,
+                key,
                 answer,
                 waiter.prompt_tokens,
                 waiter.route,
@@ -491,7 +499,7 @@ class WorkerRouter(RouterBase):
             if slot is not None:
                 slot.release()
             elif not refused:  # cancelled while waiting: the placement leaves the queue
-                self.tell({"t": "release", "id": request_id, "s": 0})
+                self.tell({"t": "release", "id": key, "s": 0})
 
     def learn(self, exchange: Exchange | WholeExchange, placed: Placed) -> None:
         measured = exchange.measurements
@@ -500,7 +508,7 @@ class WorkerRouter(RouterBase):
         self.tell(
             {
                 "t": "learn",
-                "id": placed.slot.request_id if isinstance(placed.slot, RemoteSlot) else "",
+                "id": placed.slot.request_key if isinstance(placed.slot, RemoteSlot) else "",
                 "e": exchange.engine.name,
                 "ttft": measured.ttft,
                 "pred": measured.predicted_ttft,
@@ -580,6 +588,12 @@ class WorkerRouter(RouterBase):
             self.channel.close()
         for engine in self.pool:
             await engine.client.aclose()
+
+
+def _key(ticket: Ticket) -> str:
+    if not isinstance(ticket, _RemoteTicket):
+        raise TypeError("a relay worker's tickets are its controller's")
+    return ticket.key
 
 
 def _gap_observations(gaps: list[tuple[float, int]]) -> list[tuple[float, int]]:

@@ -381,3 +381,26 @@ async def test_a_request_that_goes_as_sent_is_answered_whole_through_a_worker(
     assert response.json()["choices"][0]["text"].startswith("Say it back")
     await pool.assert_quiescent()
     assert sum(engine.completed for engine in pool.router.statistics().engines) == 1
+
+
+async def test_requests_that_share_a_clients_request_id_are_counted_apart(
+    start_pool: StartPool,
+) -> None:
+    pool = await start_pool(admission=AdmissionConfig(mode="open"))
+    worker = pool.workers[0]
+    statuses: list[int] = []
+
+    async def one() -> None:
+        response = await worker.client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+            headers={"x-request-id": "same-id"},
+        )
+        statuses.append(response.status_code)
+
+    async with trio.open_nursery() as clients:
+        for _ in range(3):
+            clients.start_soon(one)
+    assert statuses == [200] * 3
+    await pool.assert_quiescent()
+    assert pool.router.statistics().accounting.terminal["completed"] == 3
