@@ -7,16 +7,18 @@ joined with ``\\n``), because a relay must never hang on a framing it did not ex
 
 from __future__ import annotations
 
-import attrs
+from typing import NamedTuple
 
 __all__ = ["DONE", "SSEDecoder", "SSEEvent", "encode_data", "encode_done"]
 
 DONE = b"[DONE]"
 
 
-@attrs.frozen(slots=True)
-class SSEEvent:
-    """One dispatched event: its joined ``data`` and its ``event`` name, if any."""
+class SSEEvent(NamedTuple):
+    """One dispatched event: its joined ``data`` and its ``event`` name, if any.
+
+    A named tuple: one is made for every event an engine sends, and a tuple is the cheapest
+    immutable record to make."""
 
     data: bytes
     event: str | None = None

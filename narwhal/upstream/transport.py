@@ -386,10 +386,14 @@ class ChunkedDecoder:
                         raise ValueError(f"a malformed chunk size line {text[:64]!r}")
                     chunk = int(line[1], 16)
                 position = end + 2
-                if chunk:
-                    self._left = chunk
-                else:
+                if not chunk:
                     self._trailers = True
+                elif buffer[position + chunk : position + chunk + 2] == b"\r\n":
+                    # The common case: the whole chunk and its CRLF are here, taken at once.
+                    out.append(buffer[position : position + chunk])
+                    position += chunk + 2
+                else:
+                    self._left = chunk
         self._buffer = buffer[position:]
         if len(out) == 1:
             return out[0]

@@ -22,6 +22,7 @@ import trio
 
 from narwhal.errors import NarwhalError, RequestTooLarge
 from narwhal.protocol.sse import encode_data, encode_done
+from narwhal.web.http11 import BODY_EXTENSION
 
 __all__ = ["Client", "ClientGone", "request_id"]
 
@@ -66,6 +67,7 @@ class Client:
     __slots__ = (
         "_receive",
         "_send",
+        "_send_body",
         "ended",
         "gone",
         "headers",
@@ -77,6 +79,10 @@ class Client:
     def __init__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         self._receive = receive
         self._send = send
+        # The server's body writer, where it offers one (narwhal.web.http11): a streamed
+        # body's parts skip the ASGI message and the server's dispatch on it.
+        extensions = scope.get("extensions") or {}
+        self._send_body: Callable[[bytes], Awaitable[None]] | None = extensions.get(BODY_EXTENSION)
         self.headers = {
             bytes(name).decode("latin-1").lower(): bytes(value).decode("latin-1")
             for name, value in scope.get("headers", ())
@@ -157,7 +163,15 @@ class Client:
 
     async def write(self, data: bytes) -> None:
         """Send part of a streamed body."""
-        await self._emit({"type": "http.response.body", "body": data, "more_body": True})
+        send_body = self._send_body
+        if send_body is None:
+            await self._emit({"type": "http.response.body", "body": data, "more_body": True})
+            return
+        try:
+            await send_body(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.gone = True
+            raise ClientGone from exc
 
     async def end(self, data: bytes = b"") -> None:
         """Send the last part of a streamed body."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from time import time
 from typing import Any
@@ -63,6 +63,7 @@ from hypercorn.utils import parse_socket_addr, suppress_body
 from narwhal.errors import envelope
 
 __all__ = [
+    "BODY_EXTENSION",
     "Connection",
     "ConnectionStatistics",
     "Connections",
@@ -139,9 +140,44 @@ class LastBody(StreamEvent):
     data: bytes
 
 
+BODY_EXTENSION = "narwhal.send_body"
+"""The ASGI scope extension (``scope["extensions"]``) that holds a stream's body writer: an
+``async`` callable taking the bytes of a ``more_body`` message (:meth:`HTTPStream.send_body`)."""
+
+
 class HTTPStream(HypercornHTTPStream):
     """Hypercorn's ASGI side of one request, with a response's last body message sent as one
-    :class:`LastBody` (Hypercorn sends a ``Body`` and an ``EndBody``: two writes)."""
+    :class:`LastBody` (Hypercorn sends a ``Body`` and an ``EndBody``: two writes), and a
+    streamed body's writes offered to the application without the ASGI message
+    (:data:`BODY_EXTENSION`).
+
+    Attributes:
+        write_body: the protocol's framing and write of one body part
+            (:meth:`HTTP11Protocol.send_body`), set by the protocol that made the stream.
+    """
+
+    write_body: Callable[[bytes], Awaitable[None]] | None = None
+
+    async def handle(self, event: StreamEvent) -> None:
+        await super().handle(event)
+        if isinstance(event, Request) and self.write_body is not None:
+            # The application's task was started, not yet run: it sees the scope with this.
+            extensions: dict[str, Any] = self.scope["extensions"]
+            extensions[BODY_EXTENSION] = self.send_body
+
+    async def send_body(self, data: bytes) -> None:
+        """What ``app_send`` does with a ``more_body`` body message of ``data``, on the hot
+        path of every stream: one call to the protocol instead of the message, Hypercorn's
+        checks and its ``Body`` event."""
+        write = self.write_body
+        if (
+            write is None
+            or self.state is not ASGIHTTPState.RESPONSE
+            or suppress_body(self.scope["method"], int(self.response["status"]))
+        ):
+            await self.app_send({"type": "http.response.body", "body": data, "more_body": True})
+        elif data:
+            await write(data)
 
     async def app_send(self, message: Any) -> None:
         if (
@@ -185,6 +221,7 @@ class HTTP11Protocol(H11Protocol):
         self.body_ended_by_eof = False
         self.closed = False
         self._held_head = b""  # a response head waiting for its first body bytes
+        self._chunked = False  # the response being sent has a chunked body
 
     # -- what the connection asks ---------------------------------------------------------------
 
@@ -257,7 +294,11 @@ class HTTP11Protocol(H11Protocol):
             # Held until the first body bytes or the end, which every route sends right after
             # its head: one write instead of two.
             head = h11.Response(headers=headers, status_code=event.status_code)
-            self._held_head += self._h11_bytes(head)
+            framed = self._h11_bytes(head)
+            # What h11 chose for the body: a head without a length to an HTTP/1.1 client
+            # gets chunks, which send_body frames itself.
+            self._chunked = b"\r\ntransfer-encoding: chunked\r\n" in framed.lower()
+            self._held_head += framed
         elif isinstance(event, Body):
             await self._write(self._h11_bytes(h11.Data(data=event.data)))
         elif isinstance(event, LastBody):
@@ -269,6 +310,15 @@ class HTTP11Protocol(H11Protocol):
             if isinstance(event, StreamClosed) and self._held_head:
                 await self._write(b"")  # a head whose body never came: it goes as it is
             await super().stream_send(event)
+
+    async def send_body(self, data: bytes) -> None:
+        """Send ``data`` (not empty) as part of the response body: ``stream_send`` of a
+        ``Body`` event, with a chunk framed here rather than by h11's state machine (a data
+        chunk changes none of its states). Every streamed body part passes here."""
+        if self._chunked and not self.closed and self.connection.our_state is h11.SEND_BODY:
+            await self._write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            await self.stream_send(Body(stream_id=STREAM_ID, data=data))
 
     def _h11_bytes(self, event: h11.Response | h11.Data | h11.EndOfMessage) -> bytes:
         """``event`` framed by h11; nothing when the client broke the connection's protocol."""
@@ -301,6 +351,7 @@ class HTTP11Protocol(H11Protocol):
             self.stream_send,
             STREAM_ID,
         )
+        self.stream.write_body = self.send_body
         raw = self.config.h11_pass_raw_headers
         headers = request.headers.raw_items() if raw else list(request.headers)
         await self.stream.handle(
