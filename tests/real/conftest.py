@@ -61,6 +61,15 @@ def narwhal_url(vllm_url: str, real_folder: Path) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="session")
+def narwhal_workers_url(vllm_url: str, real_folder: Path) -> Iterator[str]:
+    """``narwhal serve`` with two relay workers under one controller, before the same vLLM."""
+    with running_narwhal(
+        real_folder, vllm_url, serving_extra="workers = 2", name="narwhal-workers"
+    ) as url:
+        yield url
+
+
 @pytest.fixture
 def direct(vllm_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=vllm_url, timeout=60) as client:
@@ -70,4 +79,10 @@ def direct(vllm_url: str) -> Iterator[httpx.Client]:
 @pytest.fixture
 def routed(narwhal_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=narwhal_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def routed_workers(narwhal_workers_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=narwhal_workers_url, timeout=60) as client:
         yield client

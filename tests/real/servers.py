@@ -168,6 +168,7 @@ NARWHAL_CONFIG = """\
 [serving]
 model = "{model}"
 bind = "127.0.0.1:{port}"
+{serving_extra}
 
 [admission]
 mode = "{mode}"
@@ -192,10 +193,14 @@ def running_narwhal(
     mode: str = "predictive",
     budget_s: float = 5.0,
     engine_extra: str = "",
+    serving_extra: str = "",
     env: dict[str, str] | None = None,
     name: str = "narwhal",
 ) -> Iterator[str]:
-    """``narwhal serve`` before ``engine_url`` on a free port; yields its URL once ready."""
+    """``narwhal serve`` before ``engine_url`` on a free port; yields its URL once ready.
+
+    ``engine_extra`` and ``serving_extra`` are lines added to the engine's and the
+    ``[serving]`` table (``workers = 2``: relay workers under one controller)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = folder / f"{name}.toml"
@@ -207,6 +212,7 @@ def running_narwhal(
             budget=budget_s,
             engine=engine_url,
             engine_extra=engine_extra,
+            serving_extra=serving_extra,
         )
     )
     environment = {**os.environ, **(env or {})}

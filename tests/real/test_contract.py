@@ -113,6 +113,18 @@ def test_raw_http_matches_vllm(case: Case, direct: httpx.Client, routed: httpx.C
     assert not found, f"{case.name} differs from vLLM:\n" + "\n".join(found)
 
 
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_raw_http_through_relay_workers_matches_vllm(
+    case: Case, direct: httpx.Client, routed_workers: httpx.Client
+) -> None:
+    """The same matrix through ``narwhal serve`` with two relay workers under one controller:
+    what a worker relays, assembles and refuses is what one process gives."""
+    expected = send(direct, case)
+    actual = send(routed_workers, case)
+    found = compare(case, expected, actual)
+    assert not found, f"{case.name} differs from vLLM through relay workers:\n" + "\n".join(found)
+
+
 def test_matrix_exercises_what_it_names(direct: httpx.Client) -> None:
     """The cases really reach the features they are named after (else a match proves nothing)."""
     by_name = {case.name: case for case in CASES}
