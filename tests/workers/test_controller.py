@@ -404,3 +404,31 @@ async def test_requests_that_share_a_clients_request_id_are_counted_apart(
     assert statuses == [200] * 3
     await pool.assert_quiescent()
     assert pool.router.statistics().accounting.terminal["completed"] == 3
+
+
+async def test_a_streams_inter_token_gaps_reach_the_controllers_histogram(
+    start_pool: StartPool,
+) -> None:
+    pool = await start_pool(admission=AdmissionConfig(mode="open"))
+    response = await pool.workers[0].chat(
+        stream=True, max_tokens=40, narwhal_sim={"output_tokens": 40}
+    )
+    assert response.status_code == 200
+    await pool.assert_quiescent()
+    events = sum(
+        1
+        for payload in sse_payloads(response.text)
+        if payload != "[DONE]"
+        and any(
+            (choice.get("delta") or {}).get("content")
+            for choice in orjson.loads(payload).get("choices", ())
+        )
+    )
+    text = pool.router.metrics.render().decode()
+    count = next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("narwhal_inter_token_gap_seconds_count")
+    )
+    assert events > 10
+    assert count == events - 1  # one per output event after the first, as one process counts
