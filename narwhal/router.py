@@ -53,6 +53,7 @@ __all__ = [
     "RouterStatistics",
     "build_engines",
     "refuse_unless_active",
+    "sizer_for",
 ]
 
 
@@ -172,6 +173,21 @@ def build_engines(
             )
         )
     return engines
+
+
+def sizer_for(config: Config) -> Sizer:
+    """The prompt sizer of ``config``: ``serving.tokenizer``'s counts, else estimates.
+
+    Raises:
+        ConfigError: the tokenizer file cannot be loaded.
+    """
+    counter = None
+    if config.serving.tokenizer:
+        try:
+            counter = TokenizerCounter.from_file(config.serving.tokenizer)
+        except RuntimeError as exc:
+            raise ConfigError(f"serving.tokenizer: {exc}") from exc
+    return Sizer(counter)
 
 
 def refuse_unless_active(state: str) -> None:
@@ -373,13 +389,7 @@ class Router(RouterBase):
         self.retention = RetentionLimit(admission.http_retention_limit)
         self.lengths = OutputLengths()
         self.queue = AdmissionQueue(self.pool, admission.queue_limit, self.lengths)
-        counter = None
-        if config.serving.tokenizer:
-            try:
-                counter = TokenizerCounter.from_file(config.serving.tokenizer)
-            except RuntimeError as exc:
-                raise ConfigError(f"serving.tokenizer: {exc}") from exc
-        self.sizer = Sizer(counter)
+        self.sizer = sizer_for(config)
         self.margin = SafetyMargin()
         # The conditions that decide the router's state (narwhal.control.state).
         self.control = ControlState()

@@ -35,10 +35,9 @@ from quart_trio import QuartTrio
 
 from narwhal.admission.accounting import Accounting, TerminalClass, Ticket
 from narwhal.admission.queue import Waiter
-from narwhal.admission.sizing import Sizer, TokenizerCounter
-from narwhal.config import Config, ConfigError
+from narwhal.config import Config
 from narwhal.errors import NarwhalError, Unavailable
-from narwhal.router import Placed, RouterBase, build_engines, refuse_unless_active
+from narwhal.router import Placed, RouterBase, build_engines, refuse_unless_active, sizer_for
 from narwhal.scheduling.engines import Engine, EnginePool, Slot
 from narwhal.scheduling.health import Failure
 from narwhal.web.metrics import GAP_BUCKETS, bucket_counts
@@ -329,13 +328,7 @@ class WorkerRouter(RouterBase):
         self._connect = connect
         engines = build_engines(config, MirrorEngine, transports, router=self)
         self.pool = self.mirrors = MirrorPool(self, engines)
-        counter = None
-        if config.serving.tokenizer:
-            try:
-                counter = TokenizerCounter.from_file(config.serving.tokenizer)
-            except RuntimeError as exc:
-                raise ConfigError(f"serving.tokenizer: {exc}") from exc
-        self.sizer = Sizer(counter)
+        self.sizer = sizer_for(config)
         self.channel: Channel | None = None
         self.books = _RemoteBooks(self)
         self.dirty: dict[RemoteSlot, None] = {}
