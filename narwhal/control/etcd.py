@@ -21,6 +21,7 @@ cannot connect, or times out, goes to the next.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ import httpx
 import orjson
 
 from narwhal.control.lease import Grant, Leader, LeaseStoreError
+from narwhal.upstream.transport import OneShotBody
 
 __all__ = ["EtcdStore", "leader_key"]
 
@@ -99,9 +101,7 @@ class EtcdStore:
         for _ in self._endpoints:
             endpoint = self._endpoints[self._index]
             try:
-                response = await self._http.post(
-                    endpoint + path, content=content, headers={"content-type": "application/json"}
-                )
+                response = await self._http.send(self._request(endpoint + path, content))
             except httpx.HTTPError as exc:
                 failure = f"{endpoint}: {type(exc).__name__}"
                 self._index = (self._index + 1) % len(self._endpoints)
@@ -153,6 +153,22 @@ class EtcdStore:
             raise LeaseStoreError("etcd sent a transaction answer without the leader key") from exc
         return Leader(_int(kv.get("lease")), _int(kv.get("create_revision")), revision, held)
 
+    def _request(
+        self, url: str, body: bytes, *, timeout: httpx.Timeout | None = None
+    ) -> httpx.Request:
+        """A POST of ``body`` to ``url`` whose body is no async generator: httpx wraps every
+        ``content`` in one, and a send that fails half way (etcd gone) abandons it to the
+        garbage collector, which reports it."""
+        request = self._http.build_request(
+            "POST",
+            url,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+        )
+        request.stream = OneShotBody(body)
+        return request
+
     async def watch(self, leader: Leader) -> None:
         """Return at the first event on the leader key after ``leader.revision``."""
         body = orjson.dumps(
@@ -161,13 +177,8 @@ class EtcdStore:
         endpoint = self._endpoints[self._index]
         timeout = httpx.Timeout(self._timeout.connect, read=None)
         try:
-            async with self._http.stream(
-                "POST",
-                endpoint + "/v3/watch",
-                content=body,
-                headers={"content-type": "application/json"},
-                timeout=timeout,
-            ) as response:
+            request = self._request(endpoint + "/v3/watch", body, timeout=timeout)
+            async with contextlib.aclosing(await self._http.send(request, stream=True)) as response:
                 if response.status_code != 200:
                     raise LeaseStoreError(f"etcd answered {response.status_code} to a watch")
                 async for line in response.aiter_lines():

@@ -248,9 +248,30 @@ class OneShotBody(httpx.AsyncByteStream):
     def __init__(self, body: bytes) -> None:
         self._body = body
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        # An iterator, not an async generator: a send that fails half way (the peer gone)
+        # abandons it, and an abandoned generator would be finalised by the garbage collector,
+        # which reports it (pytest's warnings-as-errors saw one per etcd restart).
         body, self._body = self._body, b""
-        yield body
+        return _Once(body)
+
+
+class _Once:
+    """An async iterator over one body part."""
+
+    __slots__ = ("_part",)
+
+    def __init__(self, part: bytes) -> None:
+        self._part: bytes | None = part
+
+    def __aiter__(self) -> _Once:
+        return self
+
+    async def __anext__(self) -> bytes:
+        part, self._part = self._part, None
+        if part is None:
+            raise StopAsyncIteration
+        return part
 
 
 async def read_once(request: httpx.Request) -> bytes:
