@@ -334,14 +334,17 @@ async def test_an_engine_a_worker_cannot_reach_opens_the_pools_circuit(
 ) -> None:
     pool = await start_pool(admission=AdmissionConfig(mode="open"))
     first, second = pool.workers
+    engines = {engine.name: engine for engine in pool.router.pool}
+    sim_a, sim_b = engines["sim-a"], engines["sim-b"]
     first.plugs["sim-a"].down = True  # only this worker's way there is cut
-    sim_a = next(engine for engine in pool.router.pool if engine.name == "sim-a")
-    for _ in range(4):
-        assert (await first.chat(max_tokens=4)).status_code == 200
-        if not sim_a.eligible:
-            break
+    sim_b.enter_maintenance("test")  # so that the request goes to sim-a
+    await until(lambda: not first.router.mirrors.by_name["sim-b"].eligible)
+    failed = await first.chat(max_tokens=4)
+    assert failed.status_code == 502  # unreachable from this worker, and no other engine
     assert not sim_a.eligible  # the controller's circuit: the failure was told
-    await until(lambda: not second.router.mirrors.by_name["sim-a"].eligible)
+    sim_b.leave_maintenance()
+    mirrors = second.router.mirrors.by_name
+    await until(lambda: mirrors["sim-b"].eligible and not mirrors["sim-a"].eligible)
     before = pool.sims["sim-a"].statistics().completion_requests
     for _ in range(3):  # the other worker places nothing there while the circuit is open
         assert (await second.chat(max_tokens=4)).status_code == 200
