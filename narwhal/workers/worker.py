@@ -36,7 +36,7 @@ from quart_trio import QuartTrio
 from narwhal.admission.accounting import Accounting, TerminalClass, Ticket
 from narwhal.admission.queue import Waiter
 from narwhal.config import Config
-from narwhal.errors import NarwhalError, Unavailable
+from narwhal.errors import NarwhalError, RequestTooLarge, Unavailable
 from narwhal.router import Placed, RouterBase, build_engines, refuse_unless_active, sizer_for
 from narwhal.scheduling.engines import Engine, EnginePool, Slot
 from narwhal.scheduling.health import Failure
@@ -63,9 +63,6 @@ PROGRESS_S = 0.05
 
 CONNECT_S = 10.0
 """How long a worker starting tries to reach its controller."""
-
-FORWARD_LIMIT_BYTES = 1024 * 1024
-"""The largest request body forwarded to the controller (admin bodies are small)."""
 
 
 # -- errors across the channel ----------------------------------------------------------------
@@ -536,8 +533,10 @@ class WorkerRouter(RouterBase):
             if event["type"] != "http.request":
                 return  # the client went away
             body += event.get("body", b"")
-            if len(body) > FORWARD_LIMIT_BYTES:
-                await _answer(send, 413, b'{"error": "request too large"}')
+            limit = self.config.serving.max_request_bytes  # as the app's own routes read it
+            if len(body) > limit:
+                too_large = RequestTooLarge(f"The request body is larger than {limit} bytes.")
+                await _answer(send, too_large.http_status, orjson.dumps(too_large.envelope()))
                 return
             if not event.get("more_body", False):
                 break
@@ -558,7 +557,7 @@ class WorkerRouter(RouterBase):
                 }
             )
         except Unavailable as exc:
-            await _answer(send, 503, orjson.dumps(exc.envelope()))
+            await _answer(send, exc.http_status, orjson.dumps(exc.envelope()))
             return
         await send(
             {

@@ -435,3 +435,11 @@ async def test_a_streams_inter_token_gaps_reach_the_controllers_histogram(
     )
     assert events > 10
     assert count == events - 1  # one per output event after the first, as one process counts
+
+
+async def test_a_forwarded_body_over_the_limit_is_the_413_envelope(start_pool: StartPool) -> None:
+    pool = await start_pool(serving=ServingConfig(model=MODEL, workers=2, max_request_bytes=64))
+    response = await pool.workers[0].client.post("/admin/maintenance/a", content=b"x" * 65)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
