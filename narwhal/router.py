@@ -411,6 +411,9 @@ class Router(RouterBase):
         # Asked with the request's id when predictive admission would refuse it: true lets it
         # in all the same, as shadow mode would (the benchmark's forced-in reruns).
         self.exempt: Callable[[str], bool] = _never
+        # What start() runs beside the requests, until aclose() (narwhal.web.app's lifespan).
+        self._background: trio.CancelScope | None = None
+        self._background_done = trio.Event()
 
     @property
     def state(self) -> RouterState:
@@ -596,14 +599,26 @@ class Router(RouterBase):
         self.lease.release()
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Start the lease, the dispatcher and one health poller per engine in ``nursery``."""
-        await nursery.start(self.lease.run)
-        await nursery.start(self.queue.run)
-        await nursery.start(self.maintenance.run)
+        """Start the lease, the dispatcher, one health poller per engine and the watchdog in a
+        nursery of their own inside ``nursery``; :meth:`aclose` stops them before it closes
+        what they use."""
+        self._background = await nursery.start(self._run_background)
 
-        for engine in self.pool:
-            nursery.start_soon(HealthPoller.for_engine(engine, self.config).run)
-        await nursery.start(self.watchdog.run, self.control, self._poll_views)
+    async def _run_background(
+        self, *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.lease.run)
+                    await nursery.start(self.queue.run)
+                    await nursery.start(self.maintenance.run)
+                    for engine in self.pool:
+                        nursery.start_soon(HealthPoller.for_engine(engine, self.config).run)
+                    await nursery.start(self.watchdog.run, self.control, self._poll_views)
+                    task_status.started(scope)
+        finally:
+            self._background_done.set()
 
     def _poll_views(self) -> list[EngineStatistics]:
         return [engine.statistics() for engine in self.pool]
@@ -614,8 +629,12 @@ class Router(RouterBase):
             client_of(engine).set_fence(token)
 
     async def aclose(self) -> None:
-        """Stop the dispatcher and close every engine's connection pool."""
+        """Stop the dispatcher and the background tasks, then close every engine's connection
+        pool (a poll after that would fail on a closed client)."""
         self.queue.close()
+        if self._background is not None:
+            self._background.cancel()
+            await self._background_done.wait()
         for engine in self.pool:
             await engine.client.aclose()
 

@@ -542,3 +542,22 @@ async def test_requests_waiting_on_an_engine_whose_circuit_opens_are_retried_at_
     assert trio.current_time() == pytest.approx(14.0 + 0.01, abs=0.01)
     assert fleet.counters()["completed"] == 1
     fleet.assert_quiescent()
+
+
+async def test_a_closed_router_polls_no_more_its_clients_are_closed_after_its_pollers(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``aclose`` stops the pollers before it closes the clients they poll with: a poll due
+    after the close used to fail on the closed client and take the app's nursery down with it
+    (CI, at an HA router's graceful stop)."""
+    engines = (EngineConfig(name="a", url="http://a.test"),)
+    router = Router(
+        Config(serving=ServingConfig(model=MODEL), engines=engines), transports={"a": sim()}
+    )
+    await router.start(nursery)
+    await router.wait_ready()
+    polls = router.pool.engines[0].statistics().health_age_s
+    assert polls is not None
+    await router.aclose()
+    await trio.sleep(10 * MonitoringConfig().poll_interval_s)  # a crash would end the nursery
+    assert router.pool.engines[0].client.http.is_closed
