@@ -217,8 +217,29 @@ async def _serve(
     say: Callable[[str], None],
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
-    router = get_router(app)
     settings = hypercorn_config(listen if isinstance(listen, str) else config.serving.bind)
+    # Bound before the router starts: a port in use is the one line that says so, before any
+    # engine is polled (or reported unreachable).
+    sockets = (
+        settings.create_sockets().insecure_sockets if isinstance(listen, str) else list(listen)
+    )
+    try:
+        await _serve_on(app, config, sockets, settings, shutdown, say, task_status)
+    finally:
+        for sock in sockets:
+            sock.close()  # closing twice is harmless
+
+
+async def _serve_on(
+    app: QuartTrio,
+    config: Config,
+    sockets: Sequence[socket.socket],
+    settings: HypercornConfig,
+    shutdown: Shutdown,
+    say: Callable[[str], None],
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    router = get_router(app)
     async with lifespan(app, settings) as asgi:
         connections = Connections(
             asgi,
@@ -228,11 +249,6 @@ async def _serve(
         )
         async with trio.open_nursery() as handlers:
             try:
-                sockets = (
-                    settings.create_sockets().insecure_sockets
-                    if isinstance(listen, str)
-                    else list(listen)
-                )
                 async with listening(sockets, settings.backlog) as (listeners, urls):
                     async with trio.open_nursery() as accepting:
                         accepting.start_soon(
