@@ -379,7 +379,10 @@ async def test_a_client_that_closes_after_its_request_is_gone_at_once(router: Se
             "model": MODEL,
             "messages": [{"role": "user", "content": "Hi"}],
             "stream": True,
-            "narwhal_sim": {"output_tokens": 100_000, "itl_s": 0.01},
+            # Long in time, short in tokens: the simulator plans a stream whole, in the
+            # router's loop here, and 100,000 tokens held that loop ~3 s (on CI, long enough
+            # for the engines' polls to go stale: 503 router_monitoring_degraded).
+            "narwhal_sim": {"output_tokens": 1_000, "itl_s": 1.0},
         }
     ).encode()
     raw = request([("Content-Length", str(len(body))), ("Content-Type", "application/json")], body)
