@@ -278,6 +278,13 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
         "admission controller) and report each, with the controller's and the workers' CPU",
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure the floor: the cheapest relay in this stack (Python, Trio, Narwhal's "
+        "socket calls; requests and responses forwarded verbatim, only their ends found) in "
+        "front of the same engine, with the Narwhal / floor ratios",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=defaults.request_timeout_s,
@@ -448,6 +455,7 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         startup_timeout_s=args.startup_timeout,
         log_dir=args.log_dir,
         workers=workers,
+        floor=args.floor,
     )
 
     return _run_processes("overhead", partial(run_overhead, settings), args.output)

@@ -13,6 +13,10 @@ its own target (``narwhal`` for 1, ``narwhal-wN`` for N relay workers under one 
 controller), measured in the same alternating rounds, and the report adds a relay-workers
 table (:class:`WorkerFigures`): its CPU split between the controller (the ``narwhal serve``
 process itself) and the workers (the sum of its child processes).
+
+With ``floor`` (``--floor``), one more target, ``floor``: the cheapest relay this stack can be
+(:mod:`narwhal.bench.floor`, a subprocess in front of the same engine), measured in the same
+rounds, with the Narwhal / floor ratios beside the Narwhal / vllm-router ones.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from narwhal.bench import load, procstat
 from narwhal.bench.procstat import environment
 from narwhal.bench.report import (
     DIRECT,
+    FLOOR,
     NARWHAL,
     VLLM_ROUTER,
     LevelReport,
@@ -113,6 +118,8 @@ class OverheadSettings:
         workers: the values of ``serving.workers`` to run Narwhal with, each a target of its
             own (:func:`narwhal_target`), and the relay-workers table; ``None``: one Narwhal,
             with the configuration's value, and no such table.
+        floor: whether to include the floor (:mod:`narwhal.bench.floor`), the cheapest relay
+            in this stack, as a target.
     """
 
     model: str = "llama-3.1-8b-instruct"
@@ -131,6 +138,7 @@ class OverheadSettings:
     log_dir: Path | None = None
     ttft_bound_s: float = 0.002
     workers: tuple[int, ...] | None = None
+    floor: bool = False
 
     def as_json(self) -> dict[str, Any]:
         """Plain values for the JSON report."""
@@ -267,6 +275,14 @@ def _start(
         engine.wait_ready(model_ready, deadline_s=settings.startup_timeout_s)
     targets = [_Target(DIRECT, engine_url, None)]
 
+    floor: Service | None = None
+    if settings.floor:
+        port = free_port()
+        argv = [sys.executable, "-m", "narwhal.bench.floor", "--bind", f"127.0.0.1:{port}"]
+        argv += ["--upstream", engine_url]
+        floor = _launch(FLOOR, argv, f"http://127.0.0.1:{port}", log_dir, stack)
+        targets.append(_Target(FLOOR, floor.url, floor))
+
     narwhals: list[Service] = []
     for workers in settings.workers or (None,):
         name = NARWHAL if workers is None else narwhal_target(workers)
@@ -298,6 +314,9 @@ def _start(
         vllm_router = _launch(VLLM_ROUTER, argv, f"http://127.0.0.1:{port}", log_dir, stack)
         targets.append(_Target(VLLM_ROUTER, vllm_router.url, vllm_router))
 
+    if floor is not None:
+        floor.wait_ready(model_ready, deadline_s=settings.startup_timeout_s)
+        echo(f"floor: ready on {floor.url}")
     for narwhal in narwhals:
         narwhal.wait_ready([("/ready", status_ok)], deadline_s=settings.startup_timeout_s)
         echo(f"{narwhal.name}: ready on {narwhal.url}")

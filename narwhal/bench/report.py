@@ -2,7 +2,8 @@
 
 Per concurrency level and target: latency percentiles, errors, CPU and memory. For each router:
 what it adds over the direct path (its percentile minus the direct path's percentile, because
-the two sets of requests are not paired), and the ratios of Narwhal's figures to vllm-router's.
+the two sets of requests are not paired), and the ratios of Narwhal's figures to vllm-router's
+(and to the floor's, the cheapest relay in this stack, when it ran: ``--floor``).
 The same objects render as the printed table and as the JSON report.
 """
 
@@ -18,6 +19,7 @@ from narwhal.bench.load import LatencySummary, RequestRecord
 
 __all__ = [
     "DIRECT",
+    "FLOOR",
     "NARWHAL",
     "RATIO_FLOOR_S",
     "VLLM_ROUTER",
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 DIRECT = "direct"
+FLOOR = "floor"
 NARWHAL = "narwhal"
 VLLM_ROUTER = "vllm-router"
 
@@ -43,7 +46,8 @@ class TargetResult:
     """One target at one concurrency level, over all its measured rounds.
 
     Attributes:
-        target: ``direct``, ``narwhal`` or ``vllm-router``.
+        target: ``direct``, ``narwhal``, ``vllm-router`` or ``floor`` (or a Narwhal of
+            ``--workers``).
         concurrency: requests in flight at once.
         requests: requests measured (warm-up excluded).
         errors: requests that did not end in a complete, error-free stream.
@@ -209,9 +213,10 @@ class Added:
 
 @attrs.frozen
 class Ratios:
-    """Narwhal's figures divided by vllm-router's (1.0 is parity; lower favours Narwhal).
+    """Narwhal's figures divided by another router's, vllm-router's or the floor's (1.0 is
+    parity; lower favours Narwhal).
 
-    A latency ratio is ``None`` where vllm-router's added latency is at most
+    A latency ratio is ``None`` where the other router's added latency is at most
     :data:`RATIO_FLOOR_S`: the absolute figures say more there.
     """
 
@@ -273,6 +278,15 @@ class LevelReport:
             return None
         return Ratios.of(narwhal_added, vllm_added, narwhal.cpu_s_per_1k, vllm_router.cpu_s_per_1k)
 
+    @property
+    def floor_ratios(self) -> Ratios | None:
+        """Narwhal over the floor, when both ran."""
+        narwhal, floor = self.result(NARWHAL), self.result(FLOOR)
+        narwhal_added, floor_added = self.added(NARWHAL), self.added(FLOOR)
+        if narwhal is None or floor is None or narwhal_added is None or floor_added is None:
+            return None
+        return Ratios.of(narwhal_added, floor_added, narwhal.cpu_s_per_1k, floor.cpu_s_per_1k)
+
     def as_json(self) -> dict[str, Any]:
         """Plain values for a JSON report."""
         added = {
@@ -281,13 +295,19 @@ class LevelReport:
             if (added := self.added(result.target)) is not None
         }
         ratios = self.ratios
-        return {
+        data = {
             "concurrency": self.concurrency,
             "rounds": self.rounds,
             "targets": {result.target: result.as_json() for result in self.results},
             "added_over_direct": added,
             "ratios_narwhal_over_vllm_router": None if ratios is None else ratios.as_json(),
         }
+        if self.result(FLOOR) is not None:
+            floor_ratios = self.floor_ratios
+            data["ratios_narwhal_over_floor"] = (
+                None if floor_ratios is None else floor_ratios.as_json()
+            )
+        return data
 
 
 @attrs.frozen
@@ -462,6 +482,12 @@ def _render_level(level: LevelReport) -> list[str]:
             f"p50 {_times(ratios.added_ttft_p50)}, p99 {_times(ratios.added_ttft_p99)}; "
             f"added E2E p50 {_times(ratios.added_e2e_p50)}, p99 {_times(ratios.added_e2e_p99)}; "
             f"CPU per request {_times(ratios.cpu_per_request)}"
+        )
+    floor_ratios = level.floor_ratios
+    if floor_ratios is not None:
+        lines.append(
+            f"narwhal / floor: added TTFT p50 {_times(floor_ratios.added_ttft_p50)}; "
+            f"CPU per request {_times(floor_ratios.cpu_per_request)}"
         )
     return lines
 
