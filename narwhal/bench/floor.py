@@ -128,12 +128,12 @@ def _chunk_size(line: bytes) -> int:
 
 
 def _parse_head(head: bytes) -> tuple[list[bytes], dict[bytes, bytes]]:
-    """The start line's parts and the header fields (lower-case names) of a head without its
-    final blank line.
+    """The start line's parts (at least two) and the header fields (lower-case names) of a
+    head without its final blank line.
 
     Raises:
-        FramingError: a line is not a header field, or ``Content-Length`` is repeated with
-            different values.
+        FramingError: the start line has fewer than two parts, a line is not a header field,
+            or ``Content-Length`` is repeated with different values.
     """
     start, *lines = head.split(b"\r\n")
     fields: dict[bytes, bytes] = {}
@@ -145,7 +145,10 @@ def _parse_head(head: bytes) -> tuple[list[bytes], dict[bytes, bytes]]:
         if key == b"content-length" and fields.get(key, value) != value:
             raise FramingError("conflicting Content-Length fields")
         fields[key] = (fields[key] + b", " + value) if key in fields else value
-    return start.split(b" ", 2), fields
+    parts = start.split(b" ", 2)
+    if len(parts) < 2:
+        raise FramingError("a malformed start line")
+    return parts, fields
 
 
 def _content_length(fields: dict[bytes, bytes]) -> int | None:
@@ -215,7 +218,9 @@ async def _relay_response(engine: SocketStream, client: SocketStream, *, head_on
     (version, status, *_), fields = _parse_head(head[:end])
     rest = head[end + 4 :]
     keep = not _wants_close(version, fields)
-    if head_only or status[:1] == b"1" or status in (b"204", b"304"):
+    if status[:1] == b"1":
+        return False  # an interim response: nothing the floor's clients ask for
+    if head_only or status in (b"204", b"304"):
         return keep and not rest
     if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
         ended = ChunkedEnd()
@@ -242,6 +247,18 @@ async def _relay_response(engine: SocketStream, client: SocketStream, *, head_on
         await client.send_all(data)
         left -= len(data)
     return keep and left == 0
+
+
+async def _exchange(
+    engine: SocketStream, client: SocketStream, request: bytes, *, head_only: bool
+) -> bool:
+    """Send ``request`` to ``engine`` in one write and relay its response (see
+    :func:`_relay_response`); a write the engine refused is :class:`_NoResponse`."""
+    try:
+        await engine.send_all(request)
+    except trio.BrokenResourceError as exc:
+        raise _NoResponse() from exc
+    return await _relay_response(engine, client, head_only=head_only)
 
 
 class _Upstream:
@@ -286,9 +303,8 @@ async def _relay_connection(host: str, port: int, accepted: trio.SocketStream) -
                     return
                 data, buffer, head_only = request
                 engine, reused = await upstream.connection()
-                await engine.send_all(data)
                 try:
-                    keep = await _relay_response(engine, client, head_only=head_only)
+                    keep = await _exchange(engine, client, data, head_only=head_only)
                 except _NoResponse:
                     if not reused:
                         raise
@@ -296,8 +312,7 @@ async def _relay_connection(host: str, port: int, accepted: trio.SocketStream) -
                     # on a fresh one (nothing of a response had come, so nothing was relayed).
                     await upstream.aclose()
                     engine, _ = await upstream.connection()
-                    await engine.send_all(data)
-                    keep = await _relay_response(engine, client, head_only=head_only)
+                    keep = await _exchange(engine, client, data, head_only=head_only)
                 keep = keep and not buffer  # requests are not pipelined
 
 

@@ -4,6 +4,7 @@ in front of an in-process simulated engine, the process's clean exit, and ``--fl
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -346,3 +347,28 @@ async def test_an_upstream_connection_the_engine_closed_while_idle_is_reopened(
     nursery.cancel_scope.cancel()
     assert answers == ["ok", "ok", "ok"]
     assert len(accepted) == 3
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GARBAGE\r\n\r\n",  # a start line of one part
+        b"GET / HTTP/1.1\r\nno colon here\r\n\r\n",
+        b"POST / HTTP/1.1\r\nContent-Length: ten\r\n\r\n",
+        b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+        b"\x00" * 70000,  # a head that never ends
+    ],
+)
+async def test_a_request_the_floor_cannot_frame_closes_only_its_connection(
+    relay: Relay, request_bytes: bytes
+) -> None:
+    with trio.fail_after(DEADLINE_S):
+        stream = await trio.open_tcp_stream("127.0.0.1", relay.port)
+        async with stream:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(request_bytes)
+            with contextlib.suppress(trio.BrokenResourceError):
+                assert await stream.receive_some() == b""
+        async with httpx.AsyncClient(base_url=relay.floor, trust_env=False) as client:
+            assert (await client.get("/health")).status_code == 200
