@@ -8,7 +8,9 @@ climbs through several generator layers and h11's event machinery. Measured on t
 benchmark (``narwhal bench overhead``), that was the largest part of the router's CPU per
 request.
 
-This transport does only what engines need, over Trio sockets:
+This transport does only what engines need, over sockets whose calls it makes itself
+(:mod:`narwhal.sockets`: a read the kernel completes at once is not a trip through Trio's
+scheduler, and only a read that waits has a deadline scope):
 
 * a last-in-first-out pool of keep-alive connections (the most recently used, warmest
   connection is reused; only the connection taken is checked for a close by the peer);
@@ -44,6 +46,8 @@ import h11
 import httpx
 import trio
 
+from narwhal.sockets import SocketStream
+
 __all__ = ["ChunkedDecoder", "EngineTransport", "OneShotBody", "read_once"]
 
 _MAX_HEAD_BYTES = 65536  # a response head (or a chunked body's trailers) longer is an error
@@ -58,7 +62,7 @@ class _Connection:
 
     __slots__ = ("buffer", "received", "stream")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: SocketStream) -> None:
         self.stream = stream
         self.buffer = b""
         self.received = False  # whether any byte of the current response has arrived
@@ -66,7 +70,7 @@ class _Connection:
     def peer_closed(self) -> bool:
         """An idle connection with something to read has been closed (or broken) by the peer."""
         try:
-            return bool(self.stream.socket.is_readable())
+            return self.stream.peer_closed()
         except OSError:
             return True
 
@@ -77,16 +81,24 @@ class _Connection:
             httpx.ReadTimeout: nothing arrived within ``read_s``.
             httpx.ReadError: the connection broke.
         """
-        # A bare cancel scope: this runs once per network read, and fail_after's context-manager
-        # wrapper costs more than the scope itself.
-        scope = trio.CancelScope(deadline=trio.current_time() + read_s)
+        stream = self.stream
         try:
-            with scope:
-                data = await self.stream.receive_some(_READ_SIZE)
+            await trio.lowlevel.checkpoint_if_cancelled()
+            data = stream.receive_nowait(_READ_SIZE)
+            if data is None:
+                # Only a read that waits needs its deadline: a bare cancel scope (fail_after's
+                # context-manager wrapper costs more than the scope itself).
+                scope = trio.CancelScope(deadline=trio.current_time() + read_s)
+                with scope:
+                    while data is None:
+                        await stream.wait_readable()
+                        data = stream.receive_nowait(_READ_SIZE)
+                if data is None:  # the scope's deadline passed
+                    raise httpx.ReadTimeout("the engine sent nothing in time", request=request)
+            else:
+                await stream.yield_if_due()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.ReadError(f"the connection broke: {exc!r}", request=request) from exc
-        if scope.cancelled_caught:
-            raise httpx.ReadTimeout("the engine sent nothing in time", request=request)
         if data:
             self.received = True
         return data
@@ -176,7 +188,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectTimeout(f"connecting to {url.host}:{port}", request=request) from exc
         except OSError as exc:
             raise httpx.ConnectError(str(exc), request=request) from exc
-        return _Connection(stream)
+        return _Connection(SocketStream.adopt(stream))
 
     async def _send(
         self, connection: _Connection, request: httpx.Request, payload: bytes

@@ -29,7 +29,10 @@ parts around them:
   client may still be sending so the client reads the answer rather than a reset); every
   request to close from another task is a cancel scope's ``cancel()``, synchronous, so no
   cancellation can lose it. The request-head clock (``serving.header_timeout_s``) is the
-  deadline of the read. Nothing a connection raises leaves :meth:`Connection.run`.
+  deadline of the read. Nothing a connection raises leaves :meth:`Connection.run`. The socket
+  is a :class:`narwhal.sockets.SocketStream`: a write the kernel takes whole at once needs
+  neither the lock nor the shield (nothing awaits before it is sent), and only a write that
+  must wait for room takes them.
 - :class:`Connections` is the set of open connections, for the server's shutdown: drain (idle
   connections close at once, the others after their response) and abort.
 """
@@ -61,6 +64,7 @@ from hypercorn.typing import AppWrapper, ConnectionState
 from hypercorn.utils import parse_socket_addr, suppress_body
 
 from narwhal.errors import envelope
+from narwhal.sockets import SocketStream
 
 __all__ = [
     "BODY_EXTENSION",
@@ -508,7 +512,7 @@ class Connection:
         app: AppWrapper,
         config: HypercornConfig,
         context: WorkerContext,
-        stream: trio.SocketStream,
+        stream: SocketStream,
         *,
         header_timeout_s: float,
         on_header_timeout: Callable[[], None],
@@ -582,30 +586,23 @@ class Connection:
     async def protocol_send(self, event: Event) -> None:
         """Where the protocol's bytes, close requests and idle changes arrive."""
         if isinstance(event, RawData):
-            broken = False
-            lock = self._send_lock
-            # The lock uncontended (nearly always) is taken without a trip through the
-            # scheduler: the write below is the checkpoint. A cancelled caller still never
-            # begins a write.
+            # A cancelled caller never begins a write.
             await trio.lowlevel.checkpoint_if_cancelled()
-            try:
-                lock.acquire_nowait()
-            except trio.WouldBlock:
-                await lock.acquire()
-            try:
-                # A write is never half done by a cancellation (the framing would break);
-                # abort() cancels this scope itself when the connection must end regardless.
-                with trio.CancelScope(shield=True) as self._sending:
-                    try:
-                        await self.stream.send_all(event.data)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        broken = True
-                broken = broken or self._sending.cancelled_caught
-                self._sending = None
-            finally:
-                lock.release()
-            if broken:
-                self.close()
+            data: bytes | memoryview = event.data
+            lock = self._send_lock
+            if not lock.locked():
+                # No write under way: what the kernel takes now goes without a lock, a scope
+                # or a trip through the scheduler (nothing below awaits before it is sent).
+                try:
+                    sent = self.stream.send_nowait(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self.close()
+                    return
+                if sent == len(data):
+                    await self.stream.yield_if_due()
+                    return
+                data = memoryview(data)[sent:]
+            await self._send_rest(data)
         elif isinstance(event, Closed):
             self.close()
         elif isinstance(event, Updated):
@@ -620,6 +617,29 @@ class Connection:
             else:
                 self.fresh = False
                 self._set_head_deadline(math.inf)
+
+    async def _send_rest(self, data: bytes | memoryview) -> None:
+        """Write ``data`` whole, waiting for room (and for another write to end) as needed."""
+        broken = False
+        lock = self._send_lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            # A write is never half done by a cancellation (the framing would break); abort()
+            # cancels this scope itself when the connection must end regardless.
+            with trio.CancelScope(shield=True) as self._sending:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    broken = True
+            broken = broken or self._sending.cancelled_caught
+            self._sending = None
+        finally:
+            lock.release()
+        if broken:
+            self.close()
 
     # -- the reading task -----------------------------------------------------------------------
 
@@ -718,12 +738,13 @@ class Connections:
         self._header_timeouts = 0
 
     async def handle(self, stream: trio.SocketStream) -> None:
-        """Serve one accepted stream (the handler of :func:`trio.serve_listeners`)."""
+        """Serve one accepted stream (the handler of :func:`trio.serve_listeners`); its socket
+        is taken over by a :class:`narwhal.sockets.SocketStream`."""
         connection = Connection(
             self.app,
             self.config,
             self.context,
-            stream,
+            SocketStream.adopt(stream),
             header_timeout_s=self.header_timeout_s,
             on_header_timeout=self._header_timeout,
         )
