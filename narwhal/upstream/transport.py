@@ -137,10 +137,15 @@ class EngineTransport(httpx.AsyncBaseTransport):
                 request=request,
             )
         payload = _request_bytes(request, await read_once(request))
-        with trio.move_on_after(self._pool_s) as waiting:
-            await self._slots.acquire()
-        if waiting.cancelled_caught:
-            raise httpx.PoolTimeout("no free connection to the engine", request=request)
+        try:
+            self._slots.acquire_nowait()  # nearly always: no scope, no trip through the loop
+        except trio.WouldBlock:
+            with trio.move_on_after(self._pool_s) as waiting:
+                await self._slots.acquire()
+            if waiting.cancelled_caught:
+                raise httpx.PoolTimeout(
+                    "no free connection to the engine", request=request
+                ) from None
         lease = _Lease(self)
         try:
             head = await self._exchange(lease, request, payload)
