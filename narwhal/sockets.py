@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import select
 import socket
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -169,9 +170,7 @@ class SocketStream(trio.abc.HalfCloseableStream):
         Raises:
             trio.ClosedResourceError: the stream is closed, or closes while waiting.
         """
-        self._check_open()
-        await trio.lowlevel.wait_readable(self.socket)
-        self._yield_at = trio.current_time() + SLICE_S
+        await self._wait(trio.lowlevel.wait_readable)
 
     async def wait_writable(self) -> None:
         """Wait until a write may not block (a full checkpoint, as every wait is).
@@ -179,11 +178,14 @@ class SocketStream(trio.abc.HalfCloseableStream):
         Raises:
             trio.ClosedResourceError: the stream is closed, or closes while waiting.
         """
-        self._check_open()
-        await trio.lowlevel.wait_writable(self.socket)
-        self._yield_at = trio.current_time() + SLICE_S
+        await self._wait(trio.lowlevel.wait_writable)
 
     # -- inside -----------------------------------------------------------------------------------
+
+    async def _wait(self, wait: Callable[[socket.socket], Awaitable[None]]) -> None:
+        self._check_open()
+        await wait(self.socket)
+        self._yield_at = trio.current_time() + SLICE_S
 
     def _check_open(self) -> None:
         if self.socket.fileno() == -1:

@@ -25,6 +25,7 @@ from narwhal.bench.report import LevelReport, OverheadReport
 from narwhal.bench.services import free_port
 from narwhal.sim import SimEngine, profile, serve_sim
 from tests.bench.test_report import result
+from tests.sim.helpers import events
 
 MODEL = "llama-3.1-8b-instruct"
 DEADLINE_S = 20
@@ -117,20 +118,12 @@ def chat(output_tokens: int, *, stream: bool = True) -> dict[str, Any]:
 
 def payloads(body: bytes) -> list[Any]:
     """The SSE events, with what may differ per request (``id``, ``created``) left out."""
-    events: list[Any] = []
-    for block in body.split(b"\n\n"):
-        if not block:
-            continue
-        assert block.startswith(b"data: "), block
-        payload = block[len(b"data: ") :]
-        if payload == b"[DONE]":
-            events.append("[DONE]")
-            continue
-        event = orjson.loads(payload)
-        event.pop("id", None)
-        event.pop("created", None)
-        events.append(event)
-    return events
+    found = events(body)
+    for event in found:
+        if isinstance(event, dict):
+            event.pop("id", None)
+            event.pop("created", None)
+    return found
 
 
 @pytest.mark.realtime
