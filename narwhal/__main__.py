@@ -2,6 +2,6 @@
 
 import sys
 
-from narwhal.cli import main
+from narwhal._entry import main
 
 sys.exit(main())

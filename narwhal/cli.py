@@ -2,8 +2,9 @@
 
 A command-line mistake or a start-up failure (a bad ``--bind``, a port in use, a configuration
 that does not load, a relay worker that cannot start) is one line on standard error and exit
-status 2, never a traceback. ``narwhal worker`` is not listed: it is how ``narwhal serve``
-starts its relay workers (:mod:`narwhal.workers.supervisor`).
+status 2, never a traceback; a Ctrl-C before a command handles it is ``narwhal: interrupted``
+and status 130 (:mod:`narwhal._entry`). ``narwhal worker`` is not listed: it is how
+``narwhal serve`` starts its relay workers (:mod:`narwhal.workers.supervisor`).
 """
 
 from __future__ import annotations
@@ -136,12 +137,14 @@ def run_listening(command: str, bind: str, main: Callable[[], Awaitable[None]]) 
 
 def _start_failures() -> tuple[type[Exception], ...]:
     """Start-up failures that are one line: a relay worker that exited while starting, an
-    app whose lifespan startup failed (a relay worker that cannot reach its controller)."""
+    app whose lifespan startup failed (a relay worker that cannot reach its controller), a
+    demo whose router was not ready in time."""
     from hypercorn.utils import LifespanFailureError
 
+    from narwhal.demo import DemoNotReady
     from narwhal.workers.supervisor import WorkerStartError
 
-    return (WorkerStartError, LifespanFailureError)
+    return (WorkerStartError, LifespanFailureError, DemoNotReady)
 
 
 def _only_leaf(error: BaseException) -> BaseException:
