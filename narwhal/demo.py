@@ -7,8 +7,6 @@ printed only once ``/ready`` would answer 200, so a newcomer's first request suc
 
 from __future__ import annotations
 
-from functools import partial
-
 import httpx
 import trio
 
@@ -75,29 +73,48 @@ print(reply.choices[0].message.content)'
 """
 
 
+READY_WITHIN_S = 30.0
+"""How long ``narwhal demo`` waits for its router to be ready before it gives up."""
+
+
+class DemoNotReady(RuntimeError):
+    """The demo's router was not ready in time (one line from the command, exit status 2)."""
+
+
+async def _ready(client: httpx.AsyncClient, url: str) -> bool:
+    """Whether ``/ready`` answers 200 now (a router not listening yet, or no more, is not)."""
+    try:
+        return (await client.get(f"{url}/ready")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def run_demo(*, bind: str = "127.0.0.1:8000", time_scale: float = 1.0) -> int:
     """Serve the demo until Ctrl-C; returns the exit status."""
     config = demo_config(bind)
     transports = demo_transports(config, time_scale=time_scale)
 
     async def main() -> None:
+        stopped = trio.Event()
+
+        async def serving(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            try:
+                await serve(
+                    config, transports=transports, handle_signals=True, task_status=task_status
+                )
+            finally:
+                stopped.set()
+
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(
-                partial(serve, config, transports=transports, handle_signals=True)
-            )
-            url = urls[0]
+            url = (await nursery.start(serving))[0]
             async with httpx.AsyncClient() as client:
-                with trio.fail_after(30):
-                    while True:
-                        try:
-                            answer = await client.get(f"{url}/ready")
-                        except httpx.HTTPError:
-                            answer = None
-                        if answer is not None and answer.status_code == 200:
-                            break
-                        if answer is not None and answer.json().get("state") == "draining":
-                            return  # Ctrl-C before it was ready: serve() is shutting down
+                with trio.move_on_after(READY_WITHIN_S) as waiting:
+                    while not await _ready(client, url):
+                        if stopped.is_set():
+                            return  # Ctrl-C before it was ready: serve() has shut down
                         await trio.sleep(0.05)
+            if waiting.cancelled_caught:
+                raise DemoNotReady(f"the router was not ready within {READY_WITHIN_S:g} s")
             print(examples(url, config.serving.model), flush=True)
 
     return run_listening("demo", bind, main)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -296,3 +297,50 @@ def test_the_demo_banner_says_the_python_example_needs_openai() -> None:
     python = banner.index("from openai import OpenAI")
     assert "pip install openai" in banner[:python]
     assert "pip install -e '.[demo]'" in banner[:python]
+
+
+# -- Ctrl-C before a command handles it ---------------------------------------------------------
+
+
+class _InterruptedImport:
+    """A meta-path finder under which importing ``narwhal.cli`` is a Ctrl-C."""
+
+    def find_spec(self, name: str, path: object, target: object = None) -> None:
+        if name == "narwhal.cli":
+            raise KeyboardInterrupt
+        return None
+
+
+def test_a_ctrl_c_while_the_command_loads_is_one_line_and_status_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from narwhal import _entry
+
+    monkeypatch.delitem(sys.modules, "narwhal.cli")
+    monkeypatch.setattr(sys, "meta_path", [_InterruptedImport(), *sys.meta_path])
+    assert _entry.main() == 130
+    captured = capsys.readouterr()
+    assert captured.err == "narwhal: interrupted\n" and captured.out == ""
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("after_s", [0.25, 0.6, 1.2])
+def test_a_ctrl_c_early_in_a_command_is_never_a_traceback(after_s: float) -> None:
+    """Whenever it comes (while the command loads its modules, while its engines join, once
+    it serves), Ctrl-C ends ``narwhal demo`` at once and without a traceback. (Before, one in
+    the first half second printed a traceback, and one while the engines joined left the demo
+    waiting 30 s for a router that had shut down, then printed one.) The interpreter's own
+    start-up, before any of Narwhal runs, is not tried: what Python prints there is its own."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "demo", "--bind", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        try:
+            process.wait(timeout=after_s)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=15)
+    assert "Traceback" not in err, err
+    assert process.returncode in (0, 130, -signal.SIGINT), (process.returncode, err)
