@@ -165,6 +165,11 @@ class RequestTooLarge(InvalidRequest):
     status = 413
     default_code = "request_too_large"
 
+    @classmethod
+    def over(cls, limit: int) -> RequestTooLarge:
+        """The error for a body over ``limit`` bytes, worded alike wherever it is found."""
+        return cls(f"The request body is larger than the limit of {limit} bytes.")
+
 
 class RequestTimeout(InvalidRequest):
     """The client did not send its request in time (``serving.body_timeout_s``)."""

@@ -159,9 +159,7 @@ def create_app(
         elif exc.code == 405:
             error = MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
         elif exc.code == 413:
-            error = RequestTooLarge(
-                f"The request body is larger than {config.serving.max_request_bytes} bytes."
-            )
+            error = RequestTooLarge.over(config.serving.max_request_bytes)
         else:
             error = FrameworkHTTPError(exc.description or "HTTP error", status=exc.code or 500)
         response = error_response(error)

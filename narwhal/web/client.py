@@ -106,7 +106,7 @@ class Client:
         declared = self.headers.get("content-length", "").strip()
         if declared.isdigit() and int(declared) > limit:
             await self._drain(0, limit)
-            raise _too_large(limit)
+            raise RequestTooLarge.over(limit)
         parts: list[bytes] = []
         size = 0
         while True:
@@ -119,7 +119,7 @@ class Client:
             if size > limit:
                 if message.get("more_body", False):
                     await self._drain(size, limit)
-                raise _too_large(limit)
+                raise RequestTooLarge.over(limit)
             if part:
                 parts.append(part)
             if not message.get("more_body", False):
@@ -213,7 +213,3 @@ def _encode(headers: dict[str, str] | None) -> list[tuple[bytes, bytes]]:
     return [
         (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()
     ]
-
-
-def _too_large(limit: int) -> RequestTooLarge:
-    return RequestTooLarge(f"The request body is larger than the limit of {limit} bytes.")

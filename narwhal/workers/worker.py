@@ -535,7 +535,7 @@ class WorkerRouter(RouterBase):
             body += event.get("body", b"")
             limit = self.config.serving.max_request_bytes  # as the app's own routes read it
             if len(body) > limit:
-                too_large = RequestTooLarge(f"The request body is larger than {limit} bytes.")
+                too_large = RequestTooLarge.over(limit)
                 await _answer(send, too_large.http_status, orjson.dumps(too_large.envelope()))
                 return
             if not event.get("more_body", False):
