@@ -101,16 +101,16 @@ class Group:
     """
 
     tokens: tuple[Token, ...]
+    lead: Token = attrs.field(init=False, eq=False, repr=False)
+    """The first visible token (the first token when all are silent)."""
+    kind: Kind = attrs.field(init=False, eq=False, repr=False)
+    """The kind of its visible tokens (of the first token when all are silent)."""
 
-    @property
-    def lead(self) -> Token:
-        """The first visible token (the first token when all are silent)."""
-        return next((t for t in self.tokens if t.kind not in SILENT), self.tokens[0])
-
-    @property
-    def kind(self) -> Kind:
-        """The kind of its visible tokens (of the first token when all are silent)."""
-        return self.lead.kind
+    def __attrs_post_init__(self) -> None:
+        # Read for every chunk a dialect shapes, several times: found once, not per read.
+        lead = next((t for t in self.tokens if t.kind not in SILENT), self.tokens[0])
+        object.__setattr__(self, "lead", lead)
+        object.__setattr__(self, "kind", lead.kind)
 
     @property
     def step(self) -> int:

@@ -249,7 +249,7 @@ async def test_mass_disconnects_over_real_sockets_are_cancelled(nursery: trio.Nu
         )
 
     long_stream = json.dumps(
-        chat(stream=True, narwhal_sim={"output_tokens": 5000, "itl_s": 0.25})
+        chat(stream=True, narwhal_sim={"output_tokens": 1000, "itl_s": 0.25})
     ).encode()
     stalled = json.dumps(chat(stream=True, narwhal_sim={"fault": "stall"})).encode()
 
@@ -279,7 +279,8 @@ async def test_mass_disconnects_over_real_sockets_are_cancelled(nursery: trio.Nu
                 clients.start_soon(client, index, long_stream, 2000 + 97 * (index % 11))
             for index in range(early):
                 clients.start_soon(client, index, stalled, 0)
-            async with httpx.AsyncClient() as http:
+            # 160 connections arrive at once: /ready may take a while, fail_after bounds it.
+            async with httpx.AsyncClient(timeout=30) as http:
                 while (await http.get(f"{url}/ready")).json()["counters"]["offered"] < (  # noqa: ASYNC110
                     streaming + early
                 ):

@@ -265,7 +265,12 @@ _TOKEN_PATHS: tuple[tuple[str, ...], ...] = (
 
 
 def _take_tokens(chunk: Any) -> tuple[Any, dict[str, Any]]:
-    """``chunk`` without its tokens, and the tokens it carried (by path)."""
+    """``chunk`` without its token fields, and the tokens it carried (by path).
+
+    A token field is taken off whether it carried tokens or null: vLLM ends a stream either
+    with its last tokens and the finish in one chunk, or with the tokens and then a finish
+    chunk of its own whose delta is empty (null content, as the SDK reads it).
+    """
     rest = copy.deepcopy(chunk)
     tokens: dict[str, Any] = {}
     choices = rest.get("choices") if isinstance(rest, dict) else None
@@ -275,8 +280,10 @@ def _take_tokens(chunk: Any) -> tuple[Any, dict[str, Any]]:
         holder = choices[0]
         for key in path[:-1]:
             holder = holder.get(key) if isinstance(holder, dict) else None
-        if isinstance(holder, dict) and holder.get(path[-1]) is not None:
-            tokens[".".join(path)] = holder.pop(path[-1])
+        if isinstance(holder, dict) and path[-1] in holder:
+            value = holder.pop(path[-1])
+            if value is not None:
+                tokens[".".join(path)] = value
     return rest, tokens
 
 

@@ -125,6 +125,29 @@ def test_raw_http_through_relay_workers_matches_vllm(
     assert not found, f"{case.name} differs from vLLM through relay workers:\n" + "\n".join(found)
 
 
+def _chunk(content: str | None, finish: str | None = None) -> dict[str, Any]:
+    delta = {"role": None, "content": content}
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_the_comparison_allows_vllms_coalescing_and_nothing_more() -> None:
+    """vLLM ends a stream with the finish on its last tokens' chunk, or on an empty chunk of
+    its own (the SDK reads its content as null): the same stream. Other text is a difference.
+
+    (Needs no vLLM: this checks the comparison the tier's verdicts rest on.)
+    """
+    apart = {0: [_chunk(""), _chunk("Hello"), _chunk(" there"), _chunk(None, "stop")]}
+    merged = {0: [_chunk(""), _chunk("Hello"), _chunk(" there", "stop")]}
+    assert stream_differences(apart, merged) == []
+    assert stream_differences(merged, apart) == []
+    other = {0: [_chunk(""), _chunk("Hello"), _chunk(" world", "stop")]}
+    assert stream_differences(apart, other) == [
+        "(coalesced) 0.tokens.delta.content: 'Hello world', vLLM 'Hello there'"
+    ]
+    unfinished = {0: [_chunk(""), _chunk("Hello"), _chunk(" there")]}
+    assert stream_differences(apart, unfinished) != []
+
+
 def test_matrix_exercises_what_it_names(direct: httpx.Client) -> None:
     """The cases really reach the features they are named after (else a match proves nothing)."""
     by_name = {case.name: case for case in CASES}
