@@ -3,8 +3,9 @@
 The key sets and orders follow real vLLM 0.32 answers (``tests/sim/captures/``, and vLLM's
 source where no capture shows a case), ``reference/vllm-0.33-captures/`` for SGLang 0.5.23, and
 OpenAI's published chunk and response objects. Stream chunks come back as :class:`Chunk`
-values (a JSON object and the output step after which it may be sent) so that faults can be
-applied before serialisation.
+values (a JSON object and the output step after which it may be sent): one at a time
+(:func:`iter_stream_chunks`, so that the engine shapes a stream as it is played), or all at once
+(:func:`stream_chunks`, so that faults can be applied before serialisation).
 
 vLLM serialises a stream chunk with the keys it set (``exclude_unset``): ``token_ids`` is on
 every output chunk (null unless asked), ``stop_reason`` on the finish chunk only,
@@ -16,6 +17,7 @@ nulls; a non-streaming body is a full dump, every null included.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -29,6 +31,7 @@ __all__ = [
     "Chunk",
     "error_body",
     "error_frame",
+    "iter_stream_chunks",
     "response_body",
     "route_not_found",
     "stream_chunks",
@@ -180,8 +183,9 @@ def _head(answer: Answer, object_name: str) -> dict[str, Any]:
     }
 
 
-def _role_time(answer: Answer, visible: list[Group]) -> int:
-    return visible[0].step if visible else answer.end_step
+def _role_time(answer: Answer, first: Group | None) -> int:
+    """When the role chunk goes: with the first visible group (``first``), else the finish."""
+    return first.step if first is not None else answer.end_step
 
 
 # --- vLLM -------------------------------------------------------------------------------------
@@ -265,10 +269,10 @@ def _vllm_completion_logprobs(
     }
 
 
-def _vllm_chat(answer: Answer) -> list[Chunk]:
+def _vllm_chat(answer: Answer) -> Iterator[Chunk]:
     request = answer.request
     head = _head(answer, "chat.completion.chunk")
-    groups = list(answer.groups)
+    groups = answer.groups
     role_choice = {
         "index": 0,
         "delta": {"role": request.role, "content": ""},
@@ -281,8 +285,8 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
     if request.ids_keys:
         role["prompt_token_ids"] = request.prompt_ids() if request.want_ids else None
         role["prompt_text"] = None
-    at = _role_time(answer, groups)
-    chunks = [Chunk(at, role)]
+    at = _role_time(answer, groups[0] if groups else None)
+    yield Chunk(at, role)
     if request.echo_text:
         # vLLM echoes the last message in a chunk of its own, without token_ids.
         echo_choice = {
@@ -294,11 +298,9 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
         echo: dict[str, Any] = {**head, "choices": [echo_choice]}
         if request.continuous_usage:
             echo["usage"] = _usage("vllm", answer, 0, "running", _reasoning(answer, 0))
-        chunks.append(Chunk(at, echo))
-    if not groups:  # nothing generated: one finish chunk with no text and no IDs
-        groups_or_none: list[Group | None] = [None]
-    else:
-        groups_or_none = list(groups)
+        yield Chunk(at, echo)
+    # Nothing generated: one finish chunk with no text and no IDs.
+    groups_or_none: tuple[Group | None, ...] = groups or (None,)
     sent = 0
     for group in groups_or_none:
         last = group is groups_or_none[-1]
@@ -326,16 +328,14 @@ def _vllm_chat(answer: Answer) -> list[Chunk]:
             obj["system_fingerprint"] = answer.fingerprint
         step = group.step if group else answer.end_step
         position = group.last if group else -1
-        chunks.append(Chunk(step, obj, ids, position, finish=last))
-    return chunks
+        yield Chunk(step, obj, ids, position, finish=last)
 
 
-def _vllm_completions(answer: Answer) -> list[Chunk]:
+def _vllm_completions(answer: Answer) -> Iterator[Chunk]:
     """Every group is a chunk, held-back tokens included (their text is empty)."""
     request = answer.request
     head = _head(answer, "text_completion")
-    groups_or_none: list[Group | None] = list(answer.groups) or [None]
-    chunks = []
+    groups_or_none: tuple[Group | None, ...] = answer.groups or (None,)
     offset = 0
     sent = 0
     for number, group in enumerate(groups_or_none):
@@ -368,8 +368,7 @@ def _vllm_completions(answer: Answer) -> list[Chunk]:
         if last and not request.include_usage:
             obj["system_fingerprint"] = answer.fingerprint
         step = group.step if group else answer.end_step
-        chunks.append(Chunk(step, obj, ids, group.last if group else -1, finish=last))
-    return chunks
+        yield Chunk(step, obj, ids, group.last if group else -1, finish=last)
 
 
 def _vllm_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
@@ -400,10 +399,11 @@ def _sglang_call_header(answer: Answer, group: Group) -> dict[str, Any]:
     }
 
 
-def _sglang_chat(answer: Answer) -> list[Chunk]:
+def _sglang_chat(answer: Answer) -> Iterator[Chunk]:
     request = answer.request
     head = _head(answer, "chat.completion.chunk")
-    visible = [g for g in answer.groups if g.kind != "tool_end"]
+    visible = (g for g in answer.groups if g.kind != "tool_end")
+    first = next((g for g in answer.groups if g.kind != "tool_end"), None)
     sent = 0
 
     def chunk(at: int, delta: dict[str, Any], group: Group | None, **finish: Any) -> Chunk:
@@ -418,13 +418,11 @@ def _sglang_chat(answer: Answer) -> list[Chunk]:
         obj = {**head, "choices": [choice], "usage": usage}
         return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
 
-    chunks = [
-        chunk(
-            _role_time(answer, visible),
-            {"role": "assistant", "content": "", "reasoning_content": None},
-            None,
-        )
-    ]
+    yield chunk(
+        _role_time(answer, first),
+        {"role": "assistant", "content": "", "reasoning_content": None},
+        None,
+    )
     for group in visible:
         sent = group.last + 1
         if group.kind == "reasoning":
@@ -438,7 +436,7 @@ def _sglang_chat(answer: Answer) -> list[Chunk]:
                 header = _sglang_call_header(answer, group)
                 opening = chunk(group.step, _sglang_delta(tool_calls=[header]), None)
                 opening.last_position = group.first
-                chunks.append(opening)
+                yield opening
             fragment = {
                 "id": None,
                 "index": group.call,
@@ -448,7 +446,7 @@ def _sglang_chat(answer: Answer) -> list[Chunk]:
             delta = _sglang_delta(tool_calls=[fragment])
         else:
             delta = _sglang_delta(content=group.text)
-        chunks.append(chunk(group.step, delta, group))
+        yield chunk(group.step, delta, group)
     sent = answer.output_tokens
     end = chunk(
         answer.end_step,
@@ -458,15 +456,13 @@ def _sglang_chat(answer: Answer) -> list[Chunk]:
         matched_stop=_matched_stop(answer),
     )
     end.finish = True
-    chunks.append(end)
-    return chunks
+    yield end
 
 
-def _sglang_completions(answer: Answer) -> list[Chunk]:
+def _sglang_completions(answer: Answer) -> Iterator[Chunk]:
     request = answer.request
     head = _head(answer, "text_completion")
-    groups_or_none: list[Group | None] = list(answer.groups) or [None]
-    chunks = []
+    groups_or_none: tuple[Group | None, ...] = answer.groups or (None,)
     offset = 0
     for number, group in enumerate(groups_or_none):
         last = number == len(groups_or_none) - 1
@@ -491,8 +487,7 @@ def _sglang_completions(answer: Answer) -> list[Chunk]:
         )
         obj = {**head, "choices": [choice], "usage": usage}
         at = group.step if group else answer.end_step
-        chunks.append(Chunk(at, obj, ids, group.last if group else -1, finish=last))
-    return chunks
+        yield Chunk(at, obj, ids, group.last if group else -1, finish=last)
 
 
 def _sglang_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
@@ -516,7 +511,7 @@ def _openai_call_header(answer: Answer, group: Group) -> dict[str, Any]:
     }
 
 
-def _openai_chat(answer: Answer) -> list[Chunk]:
+def _openai_chat(answer: Answer) -> Iterator[Chunk]:
     request = answer.request
     head = {
         **_head(answer, "chat.completion.chunk"),
@@ -524,7 +519,8 @@ def _openai_chat(answer: Answer) -> list[Chunk]:
         "system_fingerprint": answer.fingerprint,
     }
     # OpenAI never streams reasoning: those tokens take time but show nothing.
-    visible = [g for g in answer.groups if g.kind not in ("reasoning", "tool_end")]
+    visible = (g for g in answer.groups if g.kind not in ("reasoning", "tool_end"))
+    first = next((g for g in answer.groups if g.kind not in ("reasoning", "tool_end")), None)
 
     def chunk(at: int, delta: dict[str, Any], group: Group | None, finish: Any = None) -> Chunk:
         choice = {
@@ -538,14 +534,15 @@ def _openai_chat(answer: Answer) -> list[Chunk]:
             obj["usage"] = None
         return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
 
-    refusing = any(g.kind == "refusal" for g in visible)
-    calling = any(g.kind in ("tool_name", "tool") for g in visible)
+    # What shows is of one kind (text, a refusal, or tool calls): the first group says which.
+    refusing = first is not None and first.kind == "refusal"
+    calling = first is not None and first.kind in ("tool_name", "tool")
     role_delta: dict[str, Any] = {
         "role": "assistant",
         "content": None if refusing or calling else "",
         "refusal": "" if refusing else None,
     }
-    chunks = [chunk(_role_time(answer, visible), role_delta, None)]
+    yield chunk(_role_time(answer, first), role_delta, None)
     for group in visible:
         if group.kind == "tool_name":
             delta: dict[str, Any] = {"tool_calls": [_openai_call_header(answer, group)]}
@@ -554,23 +551,21 @@ def _openai_chat(answer: Answer) -> list[Chunk]:
                 header = _openai_call_header(answer, group)
                 opening = chunk(group.step, {"tool_calls": [header]}, None)
                 opening.last_position = group.first
-                chunks.append(opening)
+                yield opening
             fragment = {"index": group.call, "function": {"arguments": group.text}}
             delta = {"tool_calls": [fragment]}
         elif group.kind == "refusal":
             delta = {"refusal": group.text}
         else:
             delta = {"content": group.text}
-        chunks.append(chunk(group.step, delta, group))
+        yield chunk(group.step, delta, group)
     end = chunk(answer.end_step, {}, None, answer.finish_reason)
     end.finish = True
-    chunks.append(end)
-    return chunks
+    yield end
 
 
-def _openai_completions(answer: Answer) -> list[Chunk]:
+def _openai_completions(answer: Answer) -> Iterator[Chunk]:
     request = answer.request
-    chunks = []
     offset = 0
 
     def chunk(at: int, text: str, group: Group | None, finish: Any = None) -> Chunk:
@@ -596,12 +591,11 @@ def _openai_completions(answer: Answer) -> list[Chunk]:
         return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
 
     for group in answer.groups:
-        chunks.append(chunk(group.step, group.text, group))
+        yield chunk(group.step, group.text, group)
         offset += len(group.text)
     end = chunk(answer.end_step, "", None, answer.finish_reason)
     end.finish = True
-    chunks.append(end)
-    return chunks
+    yield end
 
 
 def _openai_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
@@ -628,7 +622,7 @@ def _openai_usage_chunk(answer: Answer, object_name: str) -> dict[str, Any]:
 
 # --- streams ----------------------------------------------------------------------------------
 
-_STREAMS = {
+_STREAMS: dict[tuple[str, str], Callable[[Answer], Iterator[Chunk]]] = {
     ("vllm", "chat"): _vllm_chat,
     ("vllm", "completions"): _vllm_completions,
     ("sglang", "chat"): _sglang_chat,
@@ -643,14 +637,19 @@ _USAGE_CHUNKS = {
 }
 
 
-def stream_chunks(dialect: Dialect, answer: Answer) -> list[Chunk]:
-    """Every chunk of the streamed answer, the usage-only chunk included when asked."""
+def iter_stream_chunks(dialect: Dialect, answer: Answer) -> Iterator[Chunk]:
+    """The chunks of the streamed answer, each shaped when it is asked for (the usage-only
+    chunk last, when asked)."""
     request = answer.request
-    chunks = _STREAMS[dialect, request.route](answer)
+    yield from _STREAMS[dialect, request.route](answer)
     if request.include_usage:
         object_name = "chat.completion.chunk" if request.route == "chat" else "text_completion"
-        chunks.append(Chunk(answer.end_step, _USAGE_CHUNKS[dialect](answer, object_name)))
-    return chunks
+        yield Chunk(answer.end_step, _USAGE_CHUNKS[dialect](answer, object_name))
+
+
+def stream_chunks(dialect: Dialect, answer: Answer) -> list[Chunk]:
+    """Every chunk of the streamed answer, the usage-only chunk included when asked."""
+    return list(iter_stream_chunks(dialect, answer))
 
 
 # --- non-streaming bodies ---------------------------------------------------------------------

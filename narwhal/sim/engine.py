@@ -3,9 +3,12 @@
 :meth:`SimEngine.plan` turns a completion request into a :class:`SimPlan`: an immediate error
 in the dialect's shape, or frames that make the SSE stream, or, when ``stream`` is false, one
 JSON body in the dialect's shape sent when the generation is over. The plan is deterministic from
-the engine's seed and the request body. :class:`SimStream` plays a plan in Trio time (virtual
-under ``trio.testing.MockClock``); the in-process transport (:mod:`narwhal.sim.transport`) and the
-HTTP server (:mod:`narwhal.sim.server`) both use it.
+the engine's seed and the request body. It generates the answer's tokens; a stream's chunks are
+shaped, serialised and timed as the stream is played (:class:`LazyFrames`), so that a long
+answer does not hold the Trio loop the in-process engines share with everything else.
+:class:`SimStream` plays a plan in Trio time (virtual under ``trio.testing.MockClock``); the
+in-process transport (:mod:`narwhal.sim.transport`) and the HTTP server
+(:mod:`narwhal.sim.server`) both use it.
 
 When things happen. Each frame goes out after an *output step* of its request (step 1 ends the
 prefill and yields the first token, step ``k`` yields token ``k - 1``; :attr:`Frame.step`), and
@@ -144,9 +147,10 @@ from __future__ import annotations
 import math
 import random
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from itertools import islice
+from typing import Any, Literal, NamedTuple, overload
 
 import attrs
 import orjson
@@ -170,6 +174,7 @@ from narwhal.sim.timing import PROFILES, StepTiming, TimingModel
 __all__ = [
     "DEFAULT_CREATED",
     "Frame",
+    "LazyFrames",
     "SimConnectionDropped",
     "SimEngine",
     "SimEngineStatistics",
@@ -211,6 +216,11 @@ _ANNOTATIONS = [
 ]
 _TOKEN_FAULTS = frozenset({"malformed_token_ids", "missing_token_ids", "negative_token_id"})
 _FIELD_FAULTS = frozenset({"unsupported_field", "annotations"})
+_LAZY_FAULTS: frozenset[str | None] = frozenset({None, "no_done"})
+"""The faults (None: none) whose stream plans are shaped as they are played; the others strike
+at a chunk's index, so their plans shape every chunk up front."""
+_BLOCK = 64
+"""Chunks a lazy stream shapes, serialises and times at a time."""
 _QUEUED_TOKENS_FULL = SimFailure(
     503,
     "The engine has reached its prefill token backlog limit. Please try again later or on a "
@@ -246,6 +256,75 @@ class Frame(NamedTuple):
     hold_s: float = 0.0
 
 
+class LazyFrames(Sequence[Frame]):
+    """A streamed plan's frames, made as they are read rather than when the plan is made.
+
+    Iterating shapes, serialises and times the chunks as it goes, 64 chunks at a time, so a long
+    answer costs its stream a little at each refill instead of its planner the whole answer at
+    once (the in-process engines share one Trio loop with everything else). Each pass makes the
+    same frames afresh (the plan is deterministic) and keeps none; ``len()``, indexing and
+    ``==`` make them all once and keep them (for tests and whole-body readers).
+
+    Attributes:
+        shaped: chunks shaped so far, over every pass (what a test counts).
+    """
+
+    def __init__(self, dialect: Dialect, answer: Answer, clock: list[float], *, done: bool):
+        self._dialect: Dialect = dialect
+        self._answer = answer
+        self._clock = clock
+        self._done = done
+        self._all: tuple[Frame, ...] | None = None
+        self.shaped = 0
+
+    def __iter__(self) -> Iterator[Frame]:
+        if self._all is not None:
+            return iter(self._all)
+        return self._make()
+
+    def __len__(self) -> int:
+        return len(self._frames())
+
+    @overload
+    def __getitem__(self, index: int) -> Frame: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Frame, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Frame | tuple[Frame, ...]:
+        return self._frames()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return self._frames() == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LazyFrames({self._answer.output_tokens} tokens, {self.shaped} chunks shaped)"
+
+    def _frames(self) -> tuple[Frame, ...]:
+        if self._all is None:
+            self._all = tuple(self._make())
+        return self._all
+
+    def _make(self) -> Iterator[Frame]:
+        return _timed_frames(self._pairs(), self._clock, None, 0.0)
+
+    def _pairs(self) -> Iterator[tuple[int, bytes]]:
+        """``(step, data)`` for each chunk, then the ``[DONE]``, a block at a time."""
+        chunks = _shapes.iter_stream_chunks(self._dialect, self._answer)
+        step = 0
+        while block := list(islice(chunks, _BLOCK)):
+            self.shaped += len(block)
+            pairs = [(chunk.step, _sse(chunk.obj)) for chunk in block]
+            step = pairs[-1][0]
+            yield from pairs
+        if self._done:
+            yield step, _DONE
+
+
 @attrs.frozen
 class SimPlan:
     """Everything the shells need to answer one HTTP request.
@@ -254,7 +333,9 @@ class SimPlan:
         status: the HTTP status.
         headers: the response headers.
         frames: the body, in timed pieces (each delay counts from the previous piece, the first
-            from the response head). A frame with empty data only carries time.
+            from the response head). A frame with empty data only carries time. A stream
+            without a fault that strikes at a chunk has :class:`LazyFrames` (made as they are
+            read); the others a tuple.
         head_delay_s: the wait before the response head (a non-streaming answer waits for the
             whole generation; streams and errors start at once).
         head_step: the output step the head waits for (0: none), as :attr:`Frame.step`.
@@ -269,7 +350,7 @@ class SimPlan:
 
     status: int
     headers: tuple[tuple[str, str], ...]
-    frames: tuple[Frame, ...]
+    frames: Sequence[Frame]
     head_delay_s: float = 0.0
     head_step: int = 0
     head_hold_s: float = 0.0
@@ -316,7 +397,8 @@ class SimStream:
     A batched plan's frames wait for the request's output steps (``progress``, from the
     engine's step loop); the others sleep their delays, times ``pace()`` (the engine's
     slowdown). Zero delays are not slept (so a zero-delay engine costs no scheduler round trips).
-    The stream ends exactly once, in one of the :data:`StreamState` outcomes: ``completed``
+    It reads the frames as it plays them, one ahead (so it knows when the last has gone). The
+    stream ends exactly once, in one of the :data:`StreamState` outcomes: ``completed``
     (every piece was read), ``closed_early`` (closed with pieces unread), ``dropped`` (the plan
     broke the connection); each ``on_end`` callback then gets the outcome.
     """
@@ -334,7 +416,9 @@ class SimStream:
         self._on_end = on_end or []
         self._progress = progress
         self._pace = pace
-        self._index = 0
+        self._frames: Iterator[Frame] | None = None
+        self._next: Frame | None = None
+        """The next frame to play (read ahead by one, so the stream knows when it is over)."""
 
     async def wait_head(self) -> None:
         """Wait until the response head may go.
@@ -348,7 +432,7 @@ class SimStream:
         except BaseException:
             self.close()
             raise
-        if plan.drop and not plan.frames:
+        if plan.drop and self._peek() is None:
             self._end("dropped")
             raise SimConnectionDropped("the simulated engine broke the connection")
 
@@ -356,13 +440,11 @@ class SimStream:
         return self
 
     async def __anext__(self) -> bytes:
-        frames = self.plan.frames
-        while self.state == "open" and self._index < len(frames):
-            frame = frames[self._index]
+        while self.state == "open" and (frame := self._peek()) is not None:
             await self._wait(frame.delay_s, frame.step, frame.hold_s)
             if self.state != "open":
                 break
-            self._index += 1
+            self._next = None
             if frame.data:
                 return frame.data
         if self.state != "open":
@@ -382,7 +464,7 @@ class SimStream:
         """
         if self.state != "open":
             return
-        if self._index < len(self.plan.frames):
+        if self._peek() is not None:
             self._end("closed_early")
         else:
             self._end("dropped" if self.plan.drop else "completed")
@@ -390,6 +472,14 @@ class SimStream:
     async def aclose(self) -> None:
         """Async form of :meth:`close` (what Quart and httpx call)."""
         self.close()
+
+    def _peek(self) -> Frame | None:
+        """The next frame to play (None: none left); a lazy plan makes it here."""
+        if self._next is None:
+            if self._frames is None:
+                self._frames = iter(self.plan.frames)
+            self._next = next(self._frames, None)
+        return self._next
 
     async def _wait(self, delay_s: float, step: int, hold_s: float) -> None:
         if self._progress is not None:
@@ -1045,9 +1135,21 @@ class SimEngine:
         return clock
 
     def _stream_plan(self, answer: Answer, clock: list[float], batched: bool) -> SimPlan:
-        chunks = _shapes.stream_chunks(self.dialect, answer)
         directives = answer.request.directives
         fault = directives.fault
+        if fault in _LAZY_FAULTS:
+            # Nothing strikes at a chunk: the stream shapes its chunks as it plays them.
+            return SimPlan(
+                status=200,
+                headers=_SSE_HEADERS,
+                frames=LazyFrames(self.dialect, answer, clock, done=fault != "no_done"),
+                batched=batched,
+                completion=True,
+                prompt_tokens=answer.prompt_tokens,
+                output_tokens=answer.output_tokens,
+                first_token_s=clock[1],
+            )
+        chunks = _shapes.stream_chunks(self.dialect, answer)
         if fault in _TOKEN_FAULTS or fault in _FIELD_FAULTS:
             _modify_chunk(chunks[_modified_index(chunks, directives.fault_at)], fault)
         timed = [(chunk.step, _sse(chunk.obj)) for chunk in chunks]
@@ -1069,7 +1171,7 @@ class SimEngine:
         return SimPlan(
             status=200,
             headers=_SSE_HEADERS,
-            frames=_frames(timed, clock, stall, directives.stall_s),
+            frames=tuple(_timed_frames(timed, clock, stall, directives.stall_s)),
             batched=batched,
             drop=drop,
             completion=True,
@@ -1123,18 +1225,16 @@ def _sse(obj: Mapping[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _frames(
-    timed: list[tuple[int, bytes]], clock: list[float], stall: int | None, stall_s: float
-) -> tuple[Frame, ...]:
+def _timed_frames(
+    timed: Iterable[tuple[int, bytes]], clock: list[float], stall: int | None, stall_s: float
+) -> Iterator[Frame]:
     """Frames from ``(step, data)`` pairs: delays from the clock, a stall before ``stall``."""
-    frames = []
     previous = 0.0
     for index, (step, data) in enumerate(timed):
         at = clock[step]
         hold = stall_s if index == stall else 0.0
-        frames.append(Frame(max(0.0, at - previous) + hold, data, step, hold))
+        yield Frame(max(0.0, at - previous) + hold, data, step, hold)
         previous = max(previous, at)
-    return tuple(frames)
 
 
 def _fault_index(chunks: list[_shapes.Chunk], fault_at: int) -> int:
