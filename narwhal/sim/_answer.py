@@ -1,7 +1,8 @@
 """What the simulated model generates and when (pure).
 
 An :class:`Answer` is dialect-neutral: a list of output tokens (each with an ID, a text piece, a
-kind and the output step that produces it), grouped into the chunks the engine will send, plus the
+kind and the output step that produces it), grouped into the chunks the engine will send (the
+groups are made as they are read, so a long stream groups its tokens as it is played), plus the
 finish. :mod:`narwhal.sim._shapes` dresses it in a dialect.
 
 Tool calls: a ``tool_calls`` directive, or a ``tool_choice`` that forces one (``"required"``
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import attrs
@@ -165,7 +167,8 @@ class Answer:
         fingerprint: the ``system_fingerprint``.
         prompt_tokens: the prompt's size.
         tokens: the output tokens in order.
-        groups: the tokens grouped into chunks.
+        chunk_size: at most this many tokens travel in one chunk.
+        first_alone: the first token travels alone (vLLM's ``stream_interval`` above 1).
         calls: the tool calls that got at least one token.
         finish_reason: ``stop``, ``length`` or ``tool_calls``.
         stop_reason: vLLM's ``stop_reason`` (the stop string), else None.
@@ -179,11 +182,16 @@ class Answer:
     fingerprint: str
     prompt_tokens: int
     tokens: tuple[Token, ...]
-    groups: tuple[Group, ...]
+    chunk_size: int
+    first_alone: bool
     calls: tuple[ToolCall, ...]
     finish_reason: str
     stop_reason: str | None
     end_step: int
+
+    def iter_groups(self) -> Iterator[Group]:
+        """The tokens grouped into chunks, in order, each group made when it is asked for."""
+        return _group(self.tokens, self.chunk_size, self.first_alone)
 
     @property
     def output_tokens(self) -> int:
@@ -358,18 +366,18 @@ def _joins(token: Token, current: list[Token]) -> bool:
     return token.kind == lead.kind and token.call == lead.call and not token.opens_call
 
 
-def _group(tokens: list[Token], size: int, first_alone: bool) -> list[Group]:
-    groups: list[Group] = []
+def _group(tokens: Sequence[Token], size: int, first_alone: bool) -> Iterator[Group]:
+    made = 0
     current: list[Token] = []
     for token in tokens:
-        limit = 1 if first_alone and not groups else size
+        limit = 1 if first_alone and not made else size
         if current and (len(current) >= limit or not _joins(token, current)):
-            groups.append(Group(tuple(current)))
+            yield Group(tuple(current))
+            made += 1
             current = []
         current.append(token)
     if current:
-        groups.append(Group(tuple(current)))
-    return groups
+        yield Group(tuple(current))
 
 
 def generate(
@@ -442,7 +450,8 @@ def generate(
         fingerprint=_fingerprint(dialect, model),
         prompt_tokens=prompt_tokens,
         tokens=tuple(tokens),
-        groups=tuple(_group(tokens, size, first_alone)),
+        chunk_size=size,
+        first_alone=first_alone,
         calls=tuple(call for call in calls if call.index in emitted_calls),
         finish_reason=finish,
         stop_reason=stop_reason,

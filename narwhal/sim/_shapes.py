@@ -183,6 +183,18 @@ def _head(answer: Answer, object_name: str) -> dict[str, Any]:
     }
 
 
+def _marked(answer: Answer) -> Iterator[tuple[int, Group | None, bool]]:
+    """``(number, group, last)`` for each group, as it is made; one ``(0, None, True)`` for an
+    answer with none."""
+    groups = answer.iter_groups()
+    current = next(groups, None)
+    number = 0
+    for following in groups:
+        yield number, current, False
+        current, number = following, number + 1
+    yield number, current, True
+
+
 def _role_time(answer: Answer, first: Group | None) -> int:
     """When the role chunk goes: with the first visible group (``first``), else the finish."""
     return first.step if first is not None else answer.end_step
@@ -272,7 +284,6 @@ def _vllm_completion_logprobs(
 def _vllm_chat(answer: Answer) -> Iterator[Chunk]:
     request = answer.request
     head = _head(answer, "chat.completion.chunk")
-    groups = answer.groups
     role_choice = {
         "index": 0,
         "delta": {"role": request.role, "content": ""},
@@ -285,7 +296,7 @@ def _vllm_chat(answer: Answer) -> Iterator[Chunk]:
     if request.ids_keys:
         role["prompt_token_ids"] = request.prompt_ids() if request.want_ids else None
         role["prompt_text"] = None
-    at = _role_time(answer, groups[0] if groups else None)
+    at = _role_time(answer, next(answer.iter_groups(), None))
     yield Chunk(at, role)
     if request.echo_text:
         # vLLM echoes the last message in a chunk of its own, without token_ids.
@@ -299,11 +310,8 @@ def _vllm_chat(answer: Answer) -> Iterator[Chunk]:
         if request.continuous_usage:
             echo["usage"] = _usage("vllm", answer, 0, "running", _reasoning(answer, 0))
         yield Chunk(at, echo)
-    # Nothing generated: one finish chunk with no text and no IDs.
-    groups_or_none: tuple[Group | None, ...] = groups or (None,)
     sent = 0
-    for group in groups_or_none:
-        last = group is groups_or_none[-1]
+    for _, group, last in _marked(answer):  # nothing generated: one finish, no text, no IDs
         tokens = group.tokens if group else ()
         sent += len(tokens)
         delta = _vllm_delta(answer, group) if group else {"content": ""}
@@ -335,11 +343,9 @@ def _vllm_completions(answer: Answer) -> Iterator[Chunk]:
     """Every group is a chunk, held-back tokens included (their text is empty)."""
     request = answer.request
     head = _head(answer, "text_completion")
-    groups_or_none: tuple[Group | None, ...] = answer.groups or (None,)
     offset = 0
     sent = 0
-    for number, group in enumerate(groups_or_none):
-        last = number == len(groups_or_none) - 1
+    for number, group, last in _marked(answer):
         tokens = group.tokens if group else ()
         text = group.text if group else ""
         ids = group.ids if group else []
@@ -402,8 +408,8 @@ def _sglang_call_header(answer: Answer, group: Group) -> dict[str, Any]:
 def _sglang_chat(answer: Answer) -> Iterator[Chunk]:
     request = answer.request
     head = _head(answer, "chat.completion.chunk")
-    visible = (g for g in answer.groups if g.kind != "tool_end")
-    first = next((g for g in answer.groups if g.kind != "tool_end"), None)
+    visible = (g for g in answer.iter_groups() if g.kind != "tool_end")
+    first = next((g for g in answer.iter_groups() if g.kind != "tool_end"), None)
     sent = 0
 
     def chunk(at: int, delta: dict[str, Any], group: Group | None, **finish: Any) -> Chunk:
@@ -462,10 +468,8 @@ def _sglang_chat(answer: Answer) -> Iterator[Chunk]:
 def _sglang_completions(answer: Answer) -> Iterator[Chunk]:
     request = answer.request
     head = _head(answer, "text_completion")
-    groups_or_none: tuple[Group | None, ...] = answer.groups or (None,)
     offset = 0
-    for number, group in enumerate(groups_or_none):
-        last = number == len(groups_or_none) - 1
+    for number, group, last in _marked(answer):
         tokens = group.tokens if group else ()
         text = group.text if group else ""
         ids = group.ids if group else []
@@ -519,8 +523,8 @@ def _openai_chat(answer: Answer) -> Iterator[Chunk]:
         "system_fingerprint": answer.fingerprint,
     }
     # OpenAI never streams reasoning: those tokens take time but show nothing.
-    visible = (g for g in answer.groups if g.kind not in ("reasoning", "tool_end"))
-    first = next((g for g in answer.groups if g.kind not in ("reasoning", "tool_end")), None)
+    visible = (g for g in answer.iter_groups() if g.kind not in ("reasoning", "tool_end"))
+    first = next((g for g in answer.iter_groups() if g.kind not in ("reasoning", "tool_end")), None)
 
     def chunk(at: int, delta: dict[str, Any], group: Group | None, finish: Any = None) -> Chunk:
         choice = {
@@ -590,7 +594,7 @@ def _openai_completions(answer: Answer) -> Iterator[Chunk]:
             obj["usage"] = None
         return Chunk(at, obj, group.ids if group else [], group.last if group else -1)
 
-    for group in answer.groups:
+    for group in answer.iter_groups():
         yield chunk(group.step, group.text, group)
         offset += len(group.text)
     end = chunk(answer.end_step, "", None, answer.finish_reason)
