@@ -401,6 +401,52 @@ async def test_a_client_that_closes_after_its_request_is_gone_at_once(router: Se
     await still_serving(router)
 
 
+def _tasks_running(name: str) -> int:
+    """How many tasks of this Trio run are running a coroutine called ``name``."""
+    found, todo = 0, [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        found += task.coro.cr_code.co_qualname == name
+        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return found
+
+
+async def test_a_client_gone_mid_stream_is_noticed_without_a_watching_task(
+    router: Served,
+) -> None:
+    """Narwhal's server tells the request of the connection's end: no task per request waits
+    for ``http.disconnect``, and leaving mid-stream still cancels at once."""
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "narwhal_sim": {"output_tokens": 1_000, "itl_s": 1.0},
+        }
+    ).encode()
+    raw = request([("Content-Length", str(len(body))), ("Content-Type", "application/json")], body)
+    async with httpx.AsyncClient() as client:
+
+        async def counters() -> dict[str, int]:
+            answer: dict[str, int] = (await client.get(f"{router.url}/ready")).json()["counters"]
+            return answer
+
+        cancelled = (await counters())["cancelled"]
+        with trio.fail_after(20):
+            stream = await trio.open_tcp_stream("127.0.0.1", router.port)
+            async with stream:
+                await stream.send_all(raw)
+                received = b""
+                while b"data: " not in received:  # the stream runs
+                    received += await stream.receive_some(65536)
+                assert (await counters())["in_flight"] == 1
+                assert _tasks_running("Client.watch") == 0
+            while (now := await counters())["cancelled"] == cancelled:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+    assert now["in_flight"] == 0 and now["failed"] == 0
+    await still_serving(router)
+
+
 async def test_pipelined_requests_after_a_close_are_not_read(router: Served) -> None:
     one = request(line=b"GET /health HTTP/1.1").replace(
         b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"

@@ -13,8 +13,9 @@ followed by ``data: [DONE]`` after them. Sending to a client that went away rais
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -22,7 +23,7 @@ import trio
 
 from narwhal.errors import NarwhalError, RequestTooLarge
 from narwhal.protocol.sse import encode_data, encode_done
-from narwhal.web.http11 import BODY_EXTENSION
+from narwhal.web.http11 import BODY_EXTENSION, DISCONNECT_EXTENSION
 
 __all__ = ["Client", "ClientGone", "request_id"]
 
@@ -65,6 +66,7 @@ class Client:
     """
 
     __slots__ = (
+        "_on_disconnect",
         "_receive",
         "_send",
         "_send_body",
@@ -83,6 +85,10 @@ class Client:
         # body's parts skip the ASGI message and the server's dispatch on it.
         extensions = scope.get("extensions") or {}
         self._send_body: Callable[[bytes], Awaitable[None]] | None = extensions.get(BODY_EXTENSION)
+        # And its disconnect notice: the client going away is seen without a watching task.
+        self._on_disconnect: Callable[[Callable[[], None] | None], None] | None = extensions.get(
+            DISCONNECT_EXTENSION
+        )
         self.headers = {
             bytes(name).decode("latin-1").lower(): bytes(value).decode("latin-1")
             for name, value in scope.get("headers", ())
@@ -142,6 +148,24 @@ class Client:
             message = await self._receive()
             if message["type"] == "http.disconnect":
                 break
+        self._went_away(scope)
+
+    @contextlib.contextmanager
+    def noticing_disconnect(self, scope: trio.CancelScope) -> Iterator[bool]:
+        """While the block runs, the client going away cancels ``scope``, told by the server
+        (:data:`~narwhal.web.http11.DISCONNECT_EXTENSION`). Yields ``False``, and arranges
+        nothing, where the server does not offer it: :meth:`watch` must then run beside."""
+        register = self._on_disconnect
+        if register is None:
+            yield False
+            return
+        register(lambda: self._went_away(scope))
+        try:
+            yield True
+        finally:
+            register(None)
+
+    def _went_away(self, scope: trio.CancelScope) -> None:
         if not self.ended:
             self.gone = True
             scope.cancel()

@@ -168,7 +168,12 @@ async def _watched(
     parsed: CompletionRequest,
     arrival: float,
 ) -> None:
-    """Answer ``parsed`` while a task watches for the client going away."""
+    """Answer ``parsed``; the client going away cancels the request (told by the server, or
+    seen by a task that watches for it)."""
+    with client.noticing_disconnect(live.scope) as noticed:
+        if noticed:
+            await _answer(router, client, ticket, parsed, arrival)
+            return
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.watch, live.scope)

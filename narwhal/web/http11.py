@@ -68,6 +68,7 @@ from narwhal.sockets import SocketStream
 
 __all__ = [
     "BODY_EXTENSION",
+    "DISCONNECT_EXTENSION",
     "Connection",
     "ConnectionStatistics",
     "Connections",
@@ -148,6 +149,12 @@ BODY_EXTENSION = "narwhal.send_body"
 """The ASGI scope extension (``scope["extensions"]``) that holds a stream's body writer: an
 ``async`` callable taking the bytes of a ``more_body`` message (:meth:`HTTPStream.send_body`)."""
 
+DISCONNECT_EXTENSION = "narwhal.on_disconnect"
+"""The ASGI scope extension that tells the application of the client going away without a task
+waiting for ``http.disconnect``: a callable taking a plain callback (``None`` removes it), called
+once, synchronously, when the connection ends (at once when it already has)
+(:meth:`HTTPStream.on_disconnect`). ``http.disconnect`` is still sent."""
+
 
 class HTTPStream(HypercornHTTPStream):
     """Hypercorn's ASGI side of one request, with a response's last body message sent as one
@@ -161,13 +168,29 @@ class HTTPStream(HypercornHTTPStream):
     """
 
     write_body: Callable[[bytes], Awaitable[None]] | None = None
+    _on_disconnect: Callable[[], None] | None = None
 
     async def handle(self, event: StreamEvent) -> None:
+        if isinstance(event, StreamClosed):
+            # Before Hypercorn's handling, which awaits the application's queue (and sets
+            # ``closed``, after which it handles nothing).
+            callback, self._on_disconnect = self._on_disconnect, None
+            if callback is not None:
+                callback()
         await super().handle(event)
         if isinstance(event, Request) and self.write_body is not None:
-            # The application's task was started, not yet run: it sees the scope with this.
+            # The application's task was started, not yet run: it sees the scope with these.
             extensions: dict[str, Any] = self.scope["extensions"]
             extensions[BODY_EXTENSION] = self.send_body
+            extensions[DISCONNECT_EXTENSION] = self.on_disconnect
+
+    def on_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` once when the client's connection ends (now, if it has ended);
+        ``None`` removes the one set (:data:`DISCONNECT_EXTENSION`)."""
+        if callback is not None and self.closed:
+            callback()
+            return
+        self._on_disconnect = callback
 
     async def send_body(self, data: bytes) -> None:
         """What ``app_send`` does with a ``more_body`` body message of ``data``, on the hot
