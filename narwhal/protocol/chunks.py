@@ -16,7 +16,7 @@ Three jobs, all on the hot path (every relayed chunk passes through here once):
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import attrs
 
@@ -27,9 +27,9 @@ __all__ = ["ChunkFacts", "Exposure", "expose", "inspect_chunk", "only_hidden_ids
 _TEXT_KEYS = ("content", "reasoning", "reasoning_content", "refusal")
 
 
-@attrs.frozen(slots=True)
-class ChunkFacts:
-    """What one decoded chunk carries.
+class ChunkFacts(NamedTuple):
+    """What one decoded chunk carries (a named tuple: one is made for every chunk relayed, and
+    a tuple is the cheapest immutable record to make).
 
     Attributes:
         output: at least one choice has an output event (non-empty text, or any tool-call or

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import attrs
 import httpx
@@ -57,9 +57,9 @@ MAX_WHOLE_BYTES = 64 * 1024 * 1024  # a non-streaming answer longer than this is
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-@attrs.frozen(slots=True)
-class ChunkEvent:
-    """A decoded, validated chunk, with its raw bytes for forwarding unchanged."""
+class ChunkEvent(NamedTuple):
+    """A decoded, validated chunk, with its raw bytes for forwarding unchanged (a named tuple:
+    one is made for every chunk relayed)."""
 
     raw: bytes
     chunk: dict[str, Any]
