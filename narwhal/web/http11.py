@@ -237,9 +237,9 @@ class HTTP11Protocol(H11Protocol):
         closed: the connection has ended; no answer may begin any more.
     """
 
-    # Narwhal has no WebSocket route yet: upgrades are served as plain HTTP (a 404 envelope)
-    # rather than through Hypercorn's WebSocket stream, whose refusals are empty bodies.
-    websockets = False
+    # WebSocket upgrades go to Hypercorn's WebSocket stream (the event feed,
+    # narwhal.web.events); the application refuses one with an envelope before the upgrade.
+    websockets = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -249,6 +249,9 @@ class HTTP11Protocol(H11Protocol):
         self.closed = False
         self._held_head = b""  # a response head waiting for its first body bytes
         self._chunked = False  # the response being sent has a chunked body
+        # The connection's write of bytes, where it offers one: what ``send(RawData(...))``
+        # does without the event (every streamed body part passes here).
+        self.write_raw: Callable[[bytes], Awaitable[None]] | None = None
 
     # -- what the connection asks ---------------------------------------------------------------
 
@@ -360,7 +363,10 @@ class HTTP11Protocol(H11Protocol):
         if self._held_head:
             data, self._held_head = self._held_head + data, b""
         if data:
-            await self.send(RawData(data=data))
+            if self.write_raw is not None:
+                await self.write_raw(data)
+            else:
+                await self.send(RawData(data=data))
 
     async def _create_stream(self, request: h11.Request) -> None:
         # Hypercorn's, with Narwhal's HTTPStream.
@@ -575,6 +581,7 @@ class Connection:
                     server,
                     self.protocol_send,
                 )
+                self.protocol.write_raw = self.write
                 await self._read()
         except* (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
@@ -606,26 +613,31 @@ class Connection:
 
     # -- Hypercorn's send callback --------------------------------------------------------------
 
+    async def write(self, data: bytes) -> None:
+        """Write ``data`` whole (a broken connection is closed, not raised): the protocol's
+        bytes, as :meth:`protocol_send` of a ``RawData`` event."""
+        # A cancelled caller never begins a write.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        lock = self._send_lock
+        if not lock.locked():
+            # No write under way: what the kernel takes now goes without a lock, a scope or
+            # a trip through the scheduler (nothing below awaits before it is sent).
+            try:
+                sent = self.stream.send_nowait(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.close()
+                return
+            if sent == len(data):
+                await self.stream.yield_if_due()
+                return
+            await self._send_rest(memoryview(data)[sent:])
+            return
+        await self._send_rest(data)
+
     async def protocol_send(self, event: Event) -> None:
         """Where the protocol's bytes, close requests and idle changes arrive."""
         if isinstance(event, RawData):
-            # A cancelled caller never begins a write.
-            await trio.lowlevel.checkpoint_if_cancelled()
-            data: bytes | memoryview = event.data
-            lock = self._send_lock
-            if not lock.locked():
-                # No write under way: what the kernel takes now goes without a lock, a scope
-                # or a trip through the scheduler (nothing below awaits before it is sent).
-                try:
-                    sent = self.stream.send_nowait(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    self.close()
-                    return
-                if sent == len(data):
-                    await self.stream.yield_if_due()
-                    return
-                data = memoryview(data)[sent:]
-            await self._send_rest(data)
+            await self.write(event.data)
         elif isinstance(event, Closed):
             self.close()
         elif isinstance(event, Updated):
