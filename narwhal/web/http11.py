@@ -54,10 +54,10 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.events import Body, Data, EndBody, Request, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
-from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
+from hypercorn.protocol.h11 import STREAM_ID, H11Protocol, H11WSConnection
 from hypercorn.protocol.http_stream import ASGIHTTPState
 from hypercorn.protocol.http_stream import HTTPStream as HypercornHTTPStream
-from hypercorn.protocol.ws_stream import Handshake
+from hypercorn.protocol.ws_stream import Handshake, WSStream
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
@@ -237,9 +237,11 @@ class HTTP11Protocol(H11Protocol):
         closed: the connection has ended; no answer may begin any more.
     """
 
-    # WebSocket upgrades go to Hypercorn's WebSocket stream (the event feed,
-    # narwhal.web.events); the application refuses one with an envelope before the upgrade.
-    websockets = True
+    # Upgrades go to Hypercorn's WebSocket stream only on the app's WebSocket routes (the
+    # event feed, narwhal.web.events, which refuses one with an envelope before the upgrade);
+    # elsewhere they are served as plain HTTP (a 404 envelope, for instance) rather than
+    # through that stream, whose refusals are empty bodies.
+    websocket_paths: frozenset[bytes] = frozenset({b"/admin/events"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -370,7 +372,7 @@ class HTTP11Protocol(H11Protocol):
 
     async def _create_stream(self, request: h11.Request) -> None:
         # Hypercorn's, with Narwhal's HTTPStream.
-        if self.websockets and websocket_upgrade(request):
+        if self._websocket_route(request) and websocket_upgrade(request):
             await super()._create_stream(request)
             return
         self.stream = HTTPStream(
@@ -443,7 +445,7 @@ class HTTP11Protocol(H11Protocol):
                         http_version=event.http_version,
                     )
                 if websocket_upgrade(event):
-                    if not self.websockets:
+                    if not self._websocket_route(event):
                         event = without_upgrade(event)
                     elif not Handshake(list(event.headers), event.http_version.decode()).is_valid():
                         await self._refuse(400, "Malformed WebSocket handshake.")
@@ -468,9 +470,23 @@ class HTTP11Protocol(H11Protocol):
                 if not self.close_delimited:  # h11 saw no length: the body is still to come
                     await self.stream.handle(EndBody(stream_id=STREAM_ID))
             elif isinstance(event, Data):  # WebSocket frames pass through
-                await self.stream.handle(event)
+                stream = self.stream
+                if isinstance(stream, WSStream) and not stream.handshake.accepted:
+                    # Frames may come only once the upgrade is accepted (RFC 6455 section
+                    # 4.1); Hypercorn's own answer to early bytes is an empty 400.
+                    if isinstance(self.connection, H11WSConnection):
+                        self.connection = self.connection.h11_connection
+                    await self._refuse(
+                        400, "Data arrived before the WebSocket upgrade was accepted."
+                    )
+                    break
+                await stream.handle(event)
 
     # -- our own --------------------------------------------------------------------------------
+
+    def _websocket_route(self, request: h11.Request) -> bool:
+        """Whether ``request``'s path is one of :attr:`websocket_paths`."""
+        return request.target.partition(b"?")[0] in self.websocket_paths
 
     async def _after_last_request(self, data: bytes) -> None:
         """Bytes after the last request of the connection: a close-delimited body, or nothing."""
