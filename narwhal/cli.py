@@ -1,4 +1,4 @@
-"""The ``narwhal`` command: serve, controller, demo, sim, bench, check-config.
+"""The ``narwhal`` command: serve, controller, demo, sim, bench, check-config, top.
 
 A command-line mistake or a start-up failure (a bad ``--bind``, a port in use, a configuration
 that does not load, a relay worker that cannot start) is one line on standard error and exit
@@ -29,7 +29,7 @@ __all__ = ["bind_problem", "listen_failure", "main", "run_listening", "time_scal
 
 _log = logging.getLogger(__name__)
 
-COMMANDS = ("serve", "controller", "demo", "sim", "bench", "check-config")
+COMMANDS = ("serve", "controller", "demo", "sim", "bench", "check-config", "top")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from narwhal.bench.cli import main as bench_main
 
         return bench_main(rest)
+    if command == "top":
+        from narwhal.top import main as top_main
+
+        return top_main(rest)
     handlers = {
         "serve": _serve,
         "controller": _controller,
@@ -78,7 +82,8 @@ def _usage() -> str:
         "  bench projection ...      the CPU cost of one TTFT projection on a loaded pool\n"
         "  bench report RUN.json ... an admission run as one HTML page with PNG plots\n"
         "  bench probes ...          /health and /ready latency, main and probe port, under load\n"
-        "  check-config FILE         validate a configuration and print the effective values\n\n"
+        "  check-config FILE         validate a configuration and print the effective values\n"
+        "  top --url URL [--token T] a live terminal view of a running router\n\n"
         "`narwhal COMMAND --help` lists a command's options."
     )
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
-from quart import Response, request
+from quart import Response, has_websocket_context, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -30,6 +30,7 @@ from narwhal.router import Router, RouterBase
 from narwhal.web.admin import register_admin
 from narwhal.web.client import request_id
 from narwhal.web.completions import serve_completion
+from narwhal.web.events import register_events
 from narwhal.web.metrics import CONTENT_TYPE
 from narwhal.web.responses import error_response, json_response
 
@@ -150,14 +151,18 @@ def create_app(
 
     if isinstance(served, Router):  # a relay worker's are its controller's (forwarded)
         _router_routes(app, served)
+    # /admin/events (a WebSocket) and /dashboard (narwhal.web.events); a relay worker refuses
+    # the feed and forwards the dashboard.
+    register_events(app, served)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         error: NarwhalError
+        asked = websocket if has_websocket_context() else request  # an upgrade has no request
         if exc.code == 404:
-            error = RouteNotFound(f"No route {request.method} {request.path}.")
+            error = RouteNotFound(f"No route {asked.method} {asked.path}.")
         elif exc.code == 405:
-            error = MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
+            error = MethodNotAllowed(f"Method {asked.method} is not allowed on {asked.path}.")
         elif exc.code == 413:
             error = RequestTooLarge.over(config.serving.max_request_bytes)
         else:
