@@ -692,12 +692,6 @@ async def test_bytes_before_the_upgrade_is_accepted_get_an_envelope(live: Live) 
 
 
 @pytest.mark.realtime
-@pytest.mark.xfail(
-    reason="narwhal.web.http11 answers bytes sent before the upgrade's answer with its own 400, "
-    "then the application's refusal (401 here) meets h11 in MUST_CLOSE: LocalProtocolError, "
-    "logged by Hypercorn as 'Error in ASGI Framework' (reported to the serving layer's owner)",
-    strict=False,
-)
 async def test_bytes_before_the_upgrade_log_no_error(
     live: Live, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -479,6 +479,9 @@ class HTTP11Protocol(H11Protocol):
                     await self._refuse(
                         400, "Data arrived before the WebSocket upgrade was accepted."
                     )
+                    # The answer is given: the application's own (an acceptance, a refusal)
+                    # may still come, and must meet a closed stream, not h11's end state.
+                    self.closed = stream.closed = True
                     break
                 await stream.handle(event)
 
