@@ -11,7 +11,7 @@ import httpx
 import trio
 
 from narwhal.cli import run_listening
-from narwhal.config import AdmissionConfig, Config, EngineConfig, ServingConfig
+from narwhal.config import AdminConfig, AdmissionConfig, Config, EngineConfig, ServingConfig
 from narwhal.server import serve
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.timing import profile
@@ -23,10 +23,12 @@ MODEL = "llama-3.1-8b-instruct"
 
 
 def demo_config(bind: str = "127.0.0.1:8000") -> Config:
-    """The embedded defaults: two vLLM-dialect engines behind one router."""
+    """The embedded defaults: two vLLM-dialect engines behind one router. The admin routes, the
+    live view and the dashboard need no token from this machine (loopback callers only)."""
     return Config(
         serving=ServingConfig(model=MODEL, bind=bind),
         admission=AdmissionConfig(),
+        admin=AdminConfig(allow_loopback_without_token=True),
         engines=(
             EngineConfig(name="sim-a", url="http://sim-a.invalid", dialect="vllm", wave="a"),
             EngineConfig(name="sim-b", url="http://sim-b.invalid", dialect="vllm", wave="b"),
@@ -70,6 +72,7 @@ reply = client.chat.completions.create(
 print(reply.choices[0].message.content)'
 
   Status: curl {url}/ready    Metrics: curl {url}/metrics
+  Live view: narwhal top --url {url}    Dashboard: {url}/dashboard
 """
 
 

@@ -16,7 +16,7 @@ from narwhal.asgi import app
 from narwhal.bench.cli import _parser as bench_parser
 from narwhal.cli import listen_failure, main
 from narwhal.config import Config, ConfigError, load_config
-from narwhal.demo import examples
+from narwhal.demo import demo_config, examples
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -290,6 +290,14 @@ def test_version_and_help_list_every_command(capsys: pytest.CaptureFixture[str])
     assert set(bench_commands) == {"overhead", "admission", "projection", "report", "probes"}
     for name in bench_commands:
         assert f"bench {name} " in usage
+
+
+def test_the_demo_banner_names_the_live_view_and_the_dashboard() -> None:
+    banner = examples("http://127.0.0.1:8000", "m")
+    assert "narwhal top --url http://127.0.0.1:8000" in banner
+    assert "http://127.0.0.1:8000/dashboard" in banner
+    admin = demo_config().admin
+    assert admin.allow_loopback_without_token and not admin.token  # from this machine only
 
 
 def test_the_demo_banner_says_the_python_example_needs_openai() -> None:
