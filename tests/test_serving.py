@@ -395,31 +395,35 @@ async def test_a_refused_event_feed_upgrade_is_an_envelope(
 async def test_a_client_that_closes_after_its_request_is_gone_at_once(router: Served) -> None:
     """The end of the connection is the client going away (but for an HTTP/1.0 body that it
     ends): the request is cancelled at once, the engine stops, nothing is held for nobody."""
+    raw = _long_stream()
+    async with httpx.AsyncClient() as client:
+        cancelled = (await _counters(client, router))["cancelled"]
+        with trio.fail_after(20):
+            await exchange(router.port, [raw], half_close=True, read_s=0.5)
+            while (now := await _counters(client, router))["cancelled"] == cancelled:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+    assert now["in_flight"] == 0 and now["failed"] == 0
+    await still_serving(router)
+
+
+def _long_stream() -> bytes:
+    """A streamed chat request that runs far longer than a test: long in time, short in
+    tokens (a long answer's tokens are generated before its first byte, in the router's loop
+    here)."""
     body = json.dumps(
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": "Hi"}],
             "stream": True,
-            # Long in time, short in tokens: the simulator plans a stream whole, in the
-            # router's loop here, and 100,000 tokens held that loop ~3 s (on CI, long enough
-            # for the engines' polls to go stale: 503 router_monitoring_degraded).
             "narwhal_sim": {"output_tokens": 1_000, "itl_s": 1.0},
         }
     ).encode()
-    raw = request([("Content-Length", str(len(body))), ("Content-Type", "application/json")], body)
-    async with httpx.AsyncClient() as client:
+    return request([("Content-Length", str(len(body))), ("Content-Type", "application/json")], body)
 
-        async def counters() -> dict[str, int]:
-            answer: dict[str, int] = (await client.get(f"{router.url}/ready")).json()["counters"]
-            return answer
 
-        cancelled = (await counters())["cancelled"]
-        with trio.fail_after(20):
-            await exchange(router.port, [raw], half_close=True, read_s=0.5)
-            while (now := await counters())["cancelled"] == cancelled:  # noqa: ASYNC110
-                await trio.sleep(0.01)
-    assert now["in_flight"] == 0 and now["failed"] == 0
-    await still_serving(router)
+async def _counters(client: httpx.AsyncClient, served: Served) -> dict[str, int]:
+    counters: dict[str, int] = (await client.get(f"{served.url}/ready")).json()["counters"]
+    return counters
 
 
 def _tasks_running(name: str) -> int:
@@ -437,32 +441,18 @@ async def test_a_client_gone_mid_stream_is_noticed_without_a_watching_task(
 ) -> None:
     """Narwhal's server tells the request of the connection's end: no task per request waits
     for ``http.disconnect``, and leaving mid-stream still cancels at once."""
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Hi"}],
-            "stream": True,
-            "narwhal_sim": {"output_tokens": 1_000, "itl_s": 1.0},
-        }
-    ).encode()
-    raw = request([("Content-Length", str(len(body))), ("Content-Type", "application/json")], body)
     async with httpx.AsyncClient() as client:
-
-        async def counters() -> dict[str, int]:
-            answer: dict[str, int] = (await client.get(f"{router.url}/ready")).json()["counters"]
-            return answer
-
-        cancelled = (await counters())["cancelled"]
+        cancelled = (await _counters(client, router))["cancelled"]
         with trio.fail_after(20):
             stream = await trio.open_tcp_stream("127.0.0.1", router.port)
             async with stream:
-                await stream.send_all(raw)
+                await stream.send_all(_long_stream())
                 received = b""
                 while b"data: " not in received:  # the stream runs
                     received += await stream.receive_some(65536)
-                assert (await counters())["in_flight"] == 1
+                assert (await _counters(client, router))["in_flight"] == 1
                 assert _tasks_running("Client.watch") == 0
-            while (now := await counters())["cancelled"] == cancelled:  # noqa: ASYNC110
+            while (now := await _counters(client, router))["cancelled"] == cancelled:  # noqa: ASYNC110
                 await trio.sleep(0.01)
     assert now["in_flight"] == 0 and now["failed"] == 0
     await still_serving(router)

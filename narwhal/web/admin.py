@@ -170,6 +170,25 @@ def _engine_json(engine: Engine) -> dict[str, Any]:
     }
 
 
+def refusal(
+    admin: AdminConfig, authorization: str | None, client_host: str | None, what: str, rid: str
+) -> Response | None:
+    """:func:`authorize`, as the answer that refuses the request (logged, ``what`` naming the
+    request and never what it sent), or ``None`` when it may in."""
+    try:
+        authorize(admin, authorization, client_host)
+    except (AdminDisabled, AdminUnauthorized) as error:
+        log.warning(
+            "admin request %s from %s refused: %s [request %s]",
+            what,
+            client_host or "an unknown peer",
+            error.code,
+            rid,
+        )
+        return error_response(error)
+    return None
+
+
 def register_admin(app: QuartTrio, router: Router) -> None:
     """Add the admin routes to ``app``."""
     admin = router.config.admin
@@ -181,20 +200,15 @@ def register_admin(app: QuartTrio, router: Router) -> None:
             rid = request_id({"x-request-id": request.headers.get("x-request-id", "")})
             client = request.scope.get("client")
             host = client[0] if client else None
-            try:
-                authorize(admin, request.headers.get("authorization"), host)
-                response = await handler(*args, **kwargs)
-            except NarwhalError as error:
-                if isinstance(error, AdminDisabled | AdminUnauthorized):
-                    log.warning(
-                        "admin request %s %s from %s refused: %s [request %s]",
-                        request.method,
-                        request.path,
-                        host or "an unknown peer",
-                        error.code,
-                        rid,
-                    )
-                response = error_response(error)
+            what = f"{request.method} {request.path}"
+            refused = refusal(admin, request.headers.get("authorization"), host, what, rid)
+            if refused is not None:
+                response = refused
+            else:
+                try:
+                    response = await handler(*args, **kwargs)
+                except NarwhalError as error:
+                    response = error_response(error)
             response.headers["x-request-id"] = rid
             return response
 

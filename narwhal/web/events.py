@@ -52,10 +52,10 @@ from narwhal.admission.accounting import TERMINAL_CLASSES
 from narwhal.config import AdminConfig
 from narwhal.control.maintenance import WaveStatistics
 from narwhal.control.state import Transition
-from narwhal.errors import AdminDisabled, AdminError, AdminUnauthorized, FrameworkHTTPError
+from narwhal.errors import AdminError, FrameworkHTTPError
 from narwhal.router import Router, RouterBase
 from narwhal.scheduling.engines import EngineStatistics
-from narwhal.web.admin import authorize
+from narwhal.web.admin import refusal
 from narwhal.web.client import request_id
 from narwhal.web.responses import error_response
 
@@ -537,20 +537,11 @@ def _refusal(admin: AdminConfig, connection: Any) -> Response | None:
     rid = request_id({"x-request-id": connection.headers.get("x-request-id", "")})
     client = connection.scope.get("client")
     host = client[0] if client else None
-    try:
-        authorize(admin, _credentials(connection.headers, connection.args), host)
-    except (AdminDisabled, AdminUnauthorized) as error:
-        log.warning(
-            "admin request %s from %s refused: %s [request %s]",
-            connection.path,
-            host or "an unknown peer",
-            error.code,
-            rid,
-        )
-        response = error_response(error)
+    credentials = _credentials(connection.headers, connection.args)
+    response = refusal(admin, credentials, host, connection.path, rid)
+    if response is not None:
         response.headers["x-request-id"] = rid
-        return response
-    return None
+    return response
 
 
 def register_events(app: QuartTrio, router: RouterBase) -> None:
