@@ -44,6 +44,7 @@ from narwhal.top import open_feed
 from narwhal.web.app import create_app, get_router
 from narwhal.web.events import (
     DASHBOARD_HTML,
+    FEED_PATH,
     OUTBOX_SIZE,
     FeedClientLagging,
     Outbox,
@@ -52,6 +53,7 @@ from narwhal.web.events import (
     summary_message,
     wave_messages,
 )
+from narwhal.web.http11 import HTTP11Protocol
 from tests.conftest import MODEL, engine_config
 from tests.support import until
 
@@ -700,3 +702,9 @@ async def test_bytes_before_the_upgrade_log_no_error(
     async with httpx.AsyncClient() as client:  # the refusal has run by now
         assert (await client.get(f"{live.url}/health")).status_code == 200
     assert "Error in ASGI Framework" not in caplog.text
+
+
+def test_the_serving_layer_upgrades_on_the_feed_route() -> None:
+    """Narwhal's HTTP/1.1 protocol passes an upgrade to the WebSocket stream only on the paths
+    it names: the feed's route must be one of them (else its upgrades are plain HTTP)."""
+    assert FEED_PATH.encode() in HTTP11Protocol.websocket_paths
