@@ -225,7 +225,10 @@ def render_report(report: AdmissionReport) -> list[str]:
         "first token, alone on an idle engine, would miss the budget (out of the bound); "
         "false: refused requests forced in that met the budget / sampled; arrival: error of "
         "admission's TTFT projection at arrival (scored), median / p90; place: of the router's "
-        "prediction at placement, after the queue wait.",
+        "prediction at placement, after the queue wait. The bound with the budget as a "
+        "deadline (not a verdict's): in any piece of time, the requests arriving in it that "
+        "meet the budget must have their prefills done within the piece plus the budget, on "
+        "the engines there are; a burst no pool can prefill in time cannot all count.",
         "",
     ]
     for run in report.runs:
@@ -237,7 +240,8 @@ def render_report(report: AdmissionReport) -> list[str]:
             f"the warm-up; projection at arrival: error median {_pct(projection.median_abs)}, "
             f"p90 {_pct(projection.p90_abs)}, bias {_pct(projection.median_signed)}; at "
             f"placement: median {_pct(placement.median_abs)}, p90 {_pct(placement.p90_abs)}, "
-            f"bias {_pct(placement.median_signed)}"
+            f"bias {_pct(placement.median_signed)}; goodput {_pct(run.goodput_deadline_ratio)} of "
+            "the bound with the budget as a deadline"
         )
     lines += ["", *render_checks(report.checks)]
     if report.memory is not None:

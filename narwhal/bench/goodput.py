@@ -43,6 +43,10 @@ Definitions (``benchmarks/README.md`` says the same for readers of the report):
   100 % of the engine-time bound means the accounting is wrong (a verdict fails). In requests
   the capacity is the closed loop's rate of the trace's mix, which a policy admitting short
   requests can pass.
+* **deadline bound** (beside the headline, not a verdict's; :func:`deadline_bound`): the least
+  of the bound, what the requests arriving in any piece of time can count when their prefills
+  must fit in the engines' time of the piece plus the budget, and what the engines could do
+  inside the window with the work that had arrived. It sees a trace's bursts and silences.
 
 A verdict is ``PASS``, ``FAIL`` or ``NOT RUN`` (its figure was not measured), and the overall
 verdict (:func:`overall_verdict`) is ``PASS`` only when every target was checked and passed.
@@ -50,6 +54,7 @@ verdict (:func:`overall_verdict`) is ``PASS`` only when every target was checked
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -80,6 +85,7 @@ __all__ = [
     "Work",
     "bound",
     "charge_step",
+    "deadline_bound",
     "engine_parts",
     "engine_seconds",
     "evaluate",
@@ -254,10 +260,13 @@ class Work:
     Attributes:
         engines: each engine's cost model and time scale.
         names: what each engine is (its type, for the report).
+        fastest: the smallest factor a scheduled slowdown multiplies step times by (1: none
+            speeds an engine up), for :meth:`least_prefill_s`.
     """
 
     engines: tuple[tuple[CostModel, float], ...]
     names: tuple[str, ...] = ()
+    fastest: float = 1.0
 
     @classmethod
     def of(cls, costs: CostModel, scale: float = 1.0) -> Work:
@@ -274,6 +283,17 @@ class Work:
             prefill += one_prefill * scale
             decode += one_decode * scale
         return prefill / len(self.engines), decode / len(self.engines)
+
+    def least_prefill_s(self, prompt_tokens: int) -> float:
+        """The least engine time any engine of the pool can spend on the prompt's prefill (its
+        ``prefill_chunk_ms`` on the fastest engine, times that engine's scale and
+        :attr:`fastest`): what the step ledger charges at the least, wherever it runs."""
+        if not self.engines:
+            return 0.0
+        least = min(
+            costs.prefill_chunk_ms(0, prompt_tokens) * scale for costs, scale in self.engines
+        )
+        return least / 1000.0 * self.fastest
 
     def seconds(self, prompt_tokens: int, output_tokens: int) -> float:
         """A request's work, in pool-mean engine seconds."""
@@ -623,6 +643,10 @@ class ReplayFigures:
             (``None``: no ledger); goodput <= work <= busy <= the engines' count.
         work_engine: the engine time charged to any request (in budget or not) per second of
             the window (``None``: no ledger).
+        deadline_engine: the lesser of :attr:`bound_engine` and :func:`deadline_bound` of the
+            same requests (engine time per second): a tighter bound, not a verdict's; beside
+            the headline, to show how much of it bursts of prompts put out of any policy's
+            reach.
         estimated: requests in goodput or the offered term weighed by the cost model, not the
             ledger (they never ran on a ledgered engine; served requests of a benchmark run
             always did).
@@ -678,6 +702,7 @@ class ReplayFigures:
     busy_engine: float | None = None
     work_engine: float | None = None
     estimated: int = 0
+    deadline_engine: float | None = None
 
     @property
     def admitted_fraction(self) -> float | None:
@@ -698,6 +723,11 @@ class ReplayFigures:
     def goodput_engine_ratio(self) -> float | None:
         """Goodput over its bound, in engine time."""
         return safe_ratio(self.goodput_engine, self.bound_engine)
+
+    @property
+    def goodput_deadline_ratio(self) -> float | None:
+        """Goodput over the bound that knows the budget is a deadline, in engine time."""
+        return safe_ratio(self.goodput_engine, self.deadline_engine)
 
     @property
     def refused(self) -> int:
@@ -727,6 +757,8 @@ class ReplayFigures:
             "bound_engine_s_per_s": self.bound_engine,
             "goodput_ratio": self.goodput_ratio,
             "goodput_engine_ratio": self.goodput_engine_ratio,
+            "deadline_bound_engine_s_per_s": self.deadline_engine,
+            "goodput_deadline_ratio": self.goodput_deadline_ratio,
             "unattainable": self.unattainable,
             "capacity_noise": self.capacity_noise,
             "busy_engine_s_per_s": self.busy_engine,
@@ -826,6 +858,18 @@ def replay_figures(
     goodput_engine = _engine_time(work, good_all, window) / length if length > 0 else 0.0
     offered_engine = _engine_time(work, offered_work, window) / length if length > 0 else 0.0
     estimated = sum(1 for o in offered_work if o.engine_work_s is None)
+    bound_engine = bound(offered_engine, capacity.ceiling)
+    deadline_engine = deadline_bound(
+        (
+            (o.arrival_s, work.least_prefill_s(o.prompt_tokens), _engine_time(work, (o,), window))
+            for o in offered_work
+        ),
+        engines=len(work.engines),
+        budget_s=budget_s,
+        window=window,
+    )
+    if deadline_engine is not None:  # both bound goodput: the tighter one
+        deadline_engine = min(deadline_engine, bound_engine)
     busy_engine = work_engine = None
     if steps is not None:
         busy_engine, work_engine = ledger_rates(steps, window)
@@ -856,7 +900,7 @@ def replay_figures(
         goodput_rps=goodput_rps,
         goodput_engine=goodput_engine,
         bound_rps=bound(offered_in_window, capacity.rps),
-        bound_engine=bound(offered_engine, capacity.ceiling),
+        bound_engine=bound_engine,
         ttft_p50_s=percentile(ttfts, 50) if ttfts else None,
         ttft_p99_s=percentile(ttfts, 99) if ttfts else None,
         outcomes=dict(Counter(outcome_label(outcome) for outcome in outcomes).most_common()),
@@ -873,7 +917,79 @@ def replay_figures(
         busy_engine=busy_engine,
         work_engine=work_engine,
         estimated=estimated,
+        deadline_engine=deadline_engine,
     )
+
+
+DEADLINE_PIECES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+"""The lengths of the pieces :func:`deadline_bound` cuts time into, in budgets."""
+
+
+def deadline_bound(
+    items: Iterable[tuple[float, float, float]], *, engines: int, budget_s: float, window: Window
+) -> float | None:
+    """A bound on engine goodput that knows the budget is a deadline (engine time per second of
+    ``window``; ``None`` for an empty window).
+
+    ``items`` are ``(arrival_s, least_prefill_s, work_s)`` for every request that could count
+    in goodput: its arrival, the least engine time its prefill takes anywhere
+    (:meth:`Work.least_prefill_s`), and the engine time it may count inside the window. A
+    request in budget has its whole prefill done between its arrival and its arrival plus the
+    budget, and the engines run at most ``engines`` seconds of steps a second. So the requests
+    arriving in a piece of time of length ``L`` that are served in budget fit their prefills in
+    ``engines x (L + budget)``: the most work they can count is a fractional knapsack (by work
+    per prefill second) of that size. The sum over the pieces bounds goodput, and so does the
+    same sum for any other cut; this is the least over cuts of :data:`DEADLINE_PIECES` budgets
+    long, at two offsets. Every relaxation (prefill alone constrained, fractions allowed, decode
+    free) only loosens it: no policy can beat it. Unlike ``min(offered, capacity)``, it sees that
+    a burst of prompts that no pool can prefill within the budget cannot all count.
+
+    It is also at most what the engines could do inside the window with the work that had
+    arrived, budget or not: a pool that works whenever there is work, starting the window with
+    every earlier request's work still to do (the most any schedule can have left), serves at
+    ``engines`` seconds a second. A trace whose window holds long silences cannot fill it.
+    """
+    length = window.length_s
+    if length <= 0:
+        return None
+    items = [(arrival, prefill, work) for arrival, prefill, work in items if work > 0]
+    best = math.inf
+    for pieces in DEADLINE_PIECES:
+        piece = pieces * budget_s
+        for offset in (0.0, 0.5):
+            origin = window.start_s - offset * piece
+            cut: dict[int, list[tuple[float, float]]] = {}
+            for arrival, prefill, work in items:
+                cut.setdefault(math.floor((arrival - origin) / piece), []).append((prefill, work))
+            total = 0.0
+            for requests in cut.values():
+                room = engines * (piece + budget_s)
+                requests.sort(key=lambda pw: pw[1] / pw[0] if pw[0] > 0 else math.inf, reverse=True)
+                for prefill, work in requests:
+                    if prefill <= room:
+                        total += work
+                        room -= prefill
+                    else:
+                        total += work * room / prefill
+                        break
+            best = min(best, total)
+    return min(best, _served_in(items, engines, window)) / length
+
+
+def _served_in(items: Sequence[tuple[float, float, float]], engines: int, window: Window) -> float:
+    """The most work a pool of ``engines`` can do inside ``window`` on ``items`` (see
+    :func:`deadline_bound`): work-conserving from the window's start, everything that arrived
+    before it still to do."""
+    start, end = window.start_s, window.end_s
+    backlog = sum(work for arrival, _, work in items if arrival < start)
+    arrivals = sorted((arrival, work) for arrival, _, work in items if start <= arrival < end)
+    served, now = 0.0, start
+    for arrival, work in [*arrivals, (end, 0.0)]:
+        done = min(backlog, engines * (arrival - now))
+        served += done
+        backlog += work - done
+        now = arrival
+    return served
 
 
 def _engine_time(work: Work, outcomes: Sequence[Outcome], window: Window) -> float:

@@ -167,7 +167,8 @@ class VirtualSetup:
             # both have the decode constants StepCosts leaves out.
             engines.append((cast(CostModel, timing.profile), timing.time_scale))
             names.append(kind)
-        return Work(tuple(engines), tuple(names))
+        fastest = min((1.0, *(slowdown.factor for slowdown in truth.slowdowns)))
+        return Work(tuple(engines), tuple(names), fastest)
 
     def config(self, mode: Mode, budget_s: float, *, queue_cap: int | None = None) -> Config:
         """The router's configuration for one run of a benchmark mode.

@@ -19,6 +19,7 @@ from narwhal.bench.goodput import (
     Window,
     Work,
     charge_step,
+    deadline_bound,
     evaluate,
     ledger_rates,
     replay_figures,
@@ -313,6 +314,10 @@ def test_at_overload_the_ledger_stays_under_the_engines_where_the_old_estimate_d
     assert figures.goodput_engine == pytest.approx(goodput)
     assert figures.goodput_engine_ratio is not None and figures.goodput_engine_ratio <= 1.0
     assert figures.busy_engine == pytest.approx(busy)
+    # The bound that knows the budget is a deadline is tighter and still not beaten.
+    assert figures.deadline_engine is not None
+    assert goodput <= figures.deadline_engine * (1 + 1e-12)
+    assert figures.deadline_engine <= figures.bound_engine * (1 + 1e-12)
 
 
 def test_real_time_has_no_ledger_and_takes_the_cost_models_rate_as_its_bound() -> None:
@@ -330,3 +335,36 @@ def test_real_time_has_no_ledger_and_takes_the_cost_models_rate_as_its_bound() -
     scaled = RealtimeSettings(default_router(), measured, time_scale=4.0).scaled_capacity
     assert (scaled.rps, scaled.engine_s_per_s) == pytest.approx((10.0, 0.51))
     assert (scaled.engines, scaled.ceiling, scaled.ceiling_noise) == (0, 0.51, 0.02)
+
+
+def test_a_burst_no_pool_can_prefill_in_time_counts_only_what_fits() -> None:
+    """100 prompts of 1 s of prefill each at one instant, two engines, a 2 s budget: in budget,
+    at most what two engines prefill within the budget (of the tightest piece, half a second
+    long here: 2 x 2.5 s) can count, whatever the policy; spread out, all of it can."""
+    window = Window(0.0, 100.0)
+    burst = [(10.0, 1.0, 3.0)] * 100  # arrival, least prefill, work
+    bound = deadline_bound(burst, engines=2, budget_s=2.0, window=window)
+    assert bound == pytest.approx(2 * 2.5 * 3.0 / 100.0)
+    spread = [(float(arrival), 1.0, 3.0) for arrival in range(0, 100, 4)]
+    assert deadline_bound(spread, engines=2, budget_s=2.0, window=window) == pytest.approx(
+        25 * 3.0 / 100.0
+    )
+    # What fits is taken by work per prefill second: the long answers to short prompts first.
+    mixed = [(10.0, 5.0, 5.0), (10.0, 0.5, 4.0), (10.0, 0.5, 4.0)]
+    assert deadline_bound(mixed, engines=1, budget_s=2.0, window=window) == pytest.approx(
+        (4.0 + 4.0 + 5.0 * (2.5 - 1.0) / 5.0) / 100.0
+    )
+    assert deadline_bound(burst, engines=2, budget_s=2.0, window=Window(5.0, 5.0)) is None
+
+
+def test_a_window_of_silences_is_bound_by_the_work_that_arrived() -> None:
+    """With an easy budget (short prompts) the engines can still do only the work there is:
+    6 s of it at t=90 in a window ending at 100, on two engines, is at most 6 s (done by 93);
+    work from before the window counts as still to do at its start."""
+    window = Window(0.0, 100.0)
+    late = [(90.0, 0.01, 6.0)]
+    assert deadline_bound(late, engines=2, budget_s=2.0, window=window) == pytest.approx(0.06)
+    tight = [(98.0, 0.01, 10.0)]  # two engines, two seconds left: 4 s of the 10
+    assert deadline_bound(tight, engines=2, budget_s=2.0, window=window) == pytest.approx(0.04)
+    before = [(-50.0, 0.01, 300.0)]  # two engines for 100 s: 200 s of it inside
+    assert deadline_bound(before, engines=2, budget_s=2.0, window=window) == pytest.approx(2.0)
