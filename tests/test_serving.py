@@ -373,22 +373,26 @@ async def test_a_websocket_upgrade_is_served_as_plain_http(router: Served, extra
 
 @pytest.mark.parametrize(
     ("trailing", "refused"),
-    [(b"", (403, "admin_disabled")), (b"x", (400, "invalid_request"))],
+    [
+        (b"", {(403, "admin_disabled")}),
+        # The application's refusal, or the server's to the early bytes: whichever began first.
+        (b"x", {(403, "admin_disabled"), (400, "invalid_request")}),
+    ],
     ids=["alone", "bytes after the head"],
 )
 async def test_a_refused_event_feed_upgrade_is_an_envelope(
-    router: Served, trailing: bytes, refused: tuple[int, str]
+    router: Served, trailing: bytes, refused: set[tuple[int, str]]
 ) -> None:
     """The event feed is the one WebSocket route. An upgrade it refuses (no admin token is set
     here) is the envelope before any upgrade; bytes sent before the upgrade was accepted
-    (Hypercorn's own answer: an empty 400) and a malformed handshake are a 400 envelope."""
+    (Hypercorn's own answer: an empty 400) are one whole envelope, the application's refusal
+    or a 400; a malformed handshake is a 400 envelope."""
     head = b"GET /admin/events HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
     valid = b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: bKdPyn3u98cTfZJSh4TNeQ==\r\n"
-    for extra, status, code in ((valid, *refused), (b"", 400, "invalid_request")):
+    for extra, expected in ((valid, refused), (b"", {(400, "invalid_request")})):
         result = await exchange(router.port, [head + extra + b"\r\n" + trailing], read_s=2)
         [answer] = result.answers
-        assert answer.status == status, answer
-        assert answer.error()["code"] == code
+        assert (answer.status, answer.error()["code"]) in expected, answer
     await still_serving(router)
 
 

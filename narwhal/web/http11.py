@@ -342,6 +342,13 @@ class HTTP11Protocol(H11Protocol):
             if isinstance(event, StreamClosed) and self._held_head:
                 await self._write(b"")  # a head whose body never came: it goes as it is
             await super().stream_send(event)
+            stream = self.stream
+            if (
+                isinstance(event, StreamClosed)
+                and isinstance(stream, WSStream)
+                and not stream.handshake.accepted
+            ):
+                await self.send(Closed())  # a refused upgrade's answer is the connection's last
 
     async def send_body(self, data: bytes) -> None:
         """Send ``data`` (not empty) as part of the response body: ``stream_send`` of a
@@ -472,20 +479,28 @@ class HTTP11Protocol(H11Protocol):
             elif isinstance(event, Data):  # WebSocket frames pass through
                 stream = self.stream
                 if isinstance(stream, WSStream) and not stream.handshake.accepted:
-                    # Frames may come only once the upgrade is accepted (RFC 6455 section
-                    # 4.1); Hypercorn's own answer to early bytes is an empty 400.
-                    if isinstance(self.connection, H11WSConnection):
-                        self.connection = self.connection.h11_connection
-                    await self._refuse(
-                        400, "Data arrived before the WebSocket upgrade was accepted."
-                    )
-                    # The answer is given: the application's own (an acceptance, a refusal)
-                    # may still come, and must meet a closed stream, not h11's end state.
-                    self.closed = stream.closed = True
+                    await self._before_upgrade(stream)
                     break
                 await stream.handle(event)
 
     # -- our own --------------------------------------------------------------------------------
+
+    async def _before_upgrade(self, stream: WSStream) -> None:
+        """Bytes came before the WebSocket upgrade was accepted, which a client may not send
+        (RFC 6455 section 4.1; Hypercorn's own answer is an empty 400). Nothing more is read.
+        Where the application has not begun its answer, the answer is a 400 envelope, and the
+        application's own (an acceptance, a refusal), should it still come, meets a closed
+        stream; where it has begun one (a refusal), that answer ends as it is."""
+        self.input_done = True
+        connection = self.connection
+        h11_connection = (
+            connection.h11_connection if isinstance(connection, H11WSConnection) else connection
+        )
+        if h11_connection.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return  # the application's answer is under way: it goes out whole, then the close
+        self.connection = h11_connection
+        self.closed = stream.closed = True  # before the first await of the refusal
+        await self._refuse(400, "Data arrived before the WebSocket upgrade was accepted.")
 
     def _websocket_route(self, request: h11.Request) -> bool:
         """Whether ``request``'s path is one of :attr:`websocket_paths`."""
