@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import trio
 
 from narwhal.config import EngineConfig
 from narwhal.scheduling.drift import FLOOR_S, Drift
-from narwhal.scheduling.engines import Engine, EnginePool
+from narwhal.scheduling.engines import Engine, EnginePool, Slot
 from narwhal.scheduling.forecast import PrefillForecast
 from narwhal.scheduling.health import Failure
 from narwhal.scheduling.profiles import get_profile
@@ -176,3 +177,41 @@ def test_a_decode_scale_risen_beside_heavy_prefill_does_not_vouch_for_a_ttft_hol
         drifting.observe_tpot(0.02, 0.01)
     assert drifting.learned_slowdown == pytest.approx(2.0)
     assert drifting.held_for_drift and not drifting.eligible
+
+
+def first_sample(observed: float, predicted: float) -> float:
+    """The TTFT ratio after one sample from 1.0: the moving average's first step."""
+    return 1.0 + 0.2 * ((observed + FLOOR_S) / (predicted + FLOOR_S) - 1.0)
+
+
+async def test_what_the_forecast_learns_after_a_placement_is_not_counted_against_it(
+    autojump_clock: object,
+) -> None:
+    # An engine turns 2x slower; the forecast learns it (from other requests) while this one
+    # waits for its first token, which comes 2x late. Taking the prediction back to the
+    # profiling's speed by what the forecast learned since read it 4x: severe drift, and the
+    # engine was taken out of placement for a 2x slowdown.
+    (engine,) = pool_of(1)
+    slot = Slot.take(engine, 2048)
+    predicted = slot.predicted_ttft_s
+    engine.forecast.scale = 2 * engine.profiled_scale
+    await trio.sleep(2 * predicted)
+    slot.to_decode()
+    assert engine.drift.ttft.ratio == pytest.approx(first_sample(2 * predicted, predicted))
+    assert engine.drift.ttft.residual == engine.drift.ttft.ratio
+    slot.release()
+
+
+async def test_what_the_forecast_learns_after_a_gap_is_not_counted_against_it(
+    autojump_clock: object,
+) -> None:
+    (engine,) = pool_of(1)
+    slot = Slot.take(engine, 64)
+    await trio.sleep(1.0)
+    slot.to_decode()
+    per_token = engine.forecast.tpot_s()  # as profiled: the forecast has learned nothing
+    await trio.sleep(1.0)
+    slot.observe_gap(2 * per_token, 1)
+    engine.forecast.decode_scale = 3 * engine.profiled_decode_scale  # learned since
+    slot.release()
+    assert engine.drift.tpot.ratio == pytest.approx(first_sample(2 * per_token, per_token))

@@ -10,8 +10,10 @@ Two running ratios per engine, observed over predicted:
 The forecast learns online, so its predictions follow a slower engine within a few requests:
 their error alone would hide a slowdown. Drift is measured against the engine as it was last
 measured: each prediction is taken back to the speed of the last profiling by dividing it by
-``learned``, the forecast's learned scale over the scale that profiling fitted
-(:meth:`Drift.observe_ttft`). The ratio thus says how far the engine is from its profiling,
+``learned``, the forecast's learned scale over the scale that profiling fitted, as it was
+when the prediction was made (:meth:`Drift.observe_ttft`; what the forecast learns while a
+request waits is not held against that request's prediction, or a slowdown being learned
+would read twice over). The ratio thus says how far the engine is from its profiling,
 which a re-profiling corrects; the **residual** (observed over the prediction as it was) says
 how far the forecast still is from the engine, which the placement penalty corrects.
 

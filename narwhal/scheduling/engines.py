@@ -191,21 +191,43 @@ class Engine:
         placement for it)."""
         return len(self.slots) > self.forecast.profile.max_num_seqs
 
-    def observe_ttft(self, observed_s: float, predicted_s: float) -> None:
-        """A first token, ``observed_s`` after placement where ``predicted_s`` was predicted.
+    @property
+    def learned_prefill(self) -> float:
+        """The forecast's prefill scale over the last profiling's: how much slower than
+        measured it has learned the engine's prefill to be."""
+        return self.forecast.scale / self.profiled_scale
+
+    @property
+    def learned_decode(self) -> float:
+        """The forecast's decode scale over the last profiling's."""
+        return self.forecast.decode_scale / self.profiled_decode_scale
+
+    def observe_ttft(
+        self, observed_s: float, predicted_s: float, *, learned: float | None = None
+    ) -> None:
+        """A first token, ``observed_s`` after placement where ``predicted_s`` was predicted
+        by a forecast that had then learned ``learned`` (:attr:`learned_prefill` at the
+        prediction, by default now's: what it has learned since the prediction must not
+        count against it, or a slowdown the forecast is learning reads twice over).
 
         Sustained and severe drift penalise placement (:attr:`placement_penalty`) and ask for
         a re-profiling when the engine is next idle (:attr:`wants_profile`); severe drift
         takes it out of placement at once where it is re-profiled (:meth:`hold_for_drift`).
         """
-        learned = self.forecast.scale / self.profiled_scale
+        if learned is None:
+            learned = self.learned_prefill
         self.drift.observe_ttft(observed_s, predicted_s, learned=learned)
         if self.reprofiled_on_drift:
             self.hold_for_drift()
 
-    def observe_tpot(self, observed_s: float, predicted_s: float) -> None:
-        """A request's gaps came ``observed_s`` per token where ``predicted_s`` was predicted."""
-        learned = self.forecast.decode_scale / self.profiled_decode_scale
+    def observe_tpot(
+        self, observed_s: float, predicted_s: float, *, learned: float | None = None
+    ) -> None:
+        """A request's gaps came ``observed_s`` per token where ``predicted_s`` was predicted
+        with ``learned`` (:attr:`learned_decode` over its gaps as they were predicted; by
+        default now's)."""
+        if learned is None:
+            learned = self.learned_decode
         self.drift.observe_tpot(observed_s, predicted_s, learned=learned)
         if self.reprofiled_on_drift:
             self.hold_for_drift()
@@ -227,8 +249,7 @@ class Engine:
         token drifts severely, the decode scale's where the time per output token drifts (the
         larger; of both while neither drifts severely; 1.0: as measured)."""
         drift = self.drift
-        prefill = self.forecast.scale / self.profiled_scale
-        decode = self.forecast.decode_scale / self.profiled_decode_scale
+        prefill, decode = self.learned_prefill, self.learned_decode
         ttft, tpot = drift.ttft, drift.tpot
         ttft_severe = ttft.samples >= drift.warm_up and ttft.far_above >= drift.sustain
         tpot_severe = tpot.samples >= drift.warm_up and tpot.far_above >= drift.sustain
@@ -423,8 +444,10 @@ class Slot:
     context_tokens: int = 0
     generated_tokens: int = 0
     key: int = 0
+    learned_prefill: float = 1.0
     gaps_observed_s: float = 0.0
     gaps_predicted_s: float = 0.0
+    gaps_profiled_s: float = 0.0
     gap_tokens: int = 0
 
     @classmethod
@@ -440,6 +463,7 @@ class Slot:
         now = trio.current_time()
         slot = cls(engine, prompt_tokens, now, route, max_tokens)
         slot.key, slot.predicted_first_token_at = engine.forecast.place(prompt_tokens, now)
+        slot.learned_prefill = engine.learned_prefill
         engine.prefill += 1
         engine.slots[slot] = None
         return slot
@@ -466,8 +490,12 @@ class Slot:
         if now is None:
             now = trio.current_time()
         if engine.prefill == 0 and engine.prefill_seen_at <= now - gap_s:
+            predicted = forecast.tpot_s() * tokens
             self.gaps_observed_s += gap_s
-            self.gaps_predicted_s += forecast.tpot_s() * tokens
+            self.gaps_predicted_s += predicted
+            # The same gap at the speed of the last profiling, by what the forecast had
+            # learned at this gap (not at the request's end).
+            self.gaps_profiled_s += predicted / engine.learned_decode
             self.gap_tokens += tokens
         forecast.observe_gap(gap_s, tokens)
 
@@ -500,7 +528,9 @@ class Slot:
         engine.prefill_seen_at = now
         if observed:
             if not engine.overcommitted:
-                engine.observe_ttft(now - self.placed_at, self.predicted_ttft_s)
+                engine.observe_ttft(
+                    now - self.placed_at, self.predicted_ttft_s, learned=self.learned_prefill
+                )
             engine.forecast.saw_step(now)
             engine.forecast.first_token(
                 self.key,
@@ -550,7 +580,12 @@ class Slot:
             engine.forecast.finish_decode(self.context_tokens)
             if self.gap_tokens:
                 tokens = self.gap_tokens
-                engine.observe_tpot(self.gaps_observed_s / tokens, self.gaps_predicted_s / tokens)
+                predicted = self.gaps_predicted_s
+                engine.observe_tpot(
+                    self.gaps_observed_s / tokens,
+                    predicted / tokens,
+                    learned=predicted / self.gaps_profiled_s if self.gaps_profiled_s > 0 else 1.0,
+                )
         else:
             return
         self.phase = "released"
