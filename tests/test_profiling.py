@@ -11,6 +11,7 @@ import orjson
 import pytest
 import trio
 
+from narwhal.bench.inprocess import CoalescingSimEngine
 from narwhal.config import Config, EngineConfig, MonitoringConfig, ServingConfig
 from narwhal.router import Router
 from narwhal.scheduling.forecast import PrefillForecast
@@ -19,6 +20,7 @@ from narwhal.sim.engine import SimEngine
 from narwhal.sim.timing import StepTiming
 from narwhal.sim.transport import SimTransport
 from narwhal.upstream.profiling import (
+    coalesced_tokens,
     compute_s,
     decode_batches,
     fit_decode,
@@ -197,6 +199,33 @@ async def test_engines_are_profiled_before_they_join_and_the_books_never_see_it(
     assert stats.accounting.offered == 0  # probes are not offered requests
     ready = stats.as_json()["engines"]
     assert [(e["profiled"], e["reason"]) for e in ready] == [(True, None), (True, None)]
+
+
+def test_a_coalescing_engine_is_asked_for_enough_tokens_to_time_its_steps() -> None:
+    # First token alone, then 7 in one chunk: one gap, too few; 16 a chunk needs 65 tokens.
+    assert coalesced_tokens([[(0.1, 7)]], 8) == 1 + 7 * 4
+    assert coalesced_tokens([[(0.1, 16), (0.1, 12)]], 29) == 1 + 16 * 4
+    # Enough gaps already; one token a gap (the answer ended early: more will not help); a cap.
+    assert coalesced_tokens([[(0.1, 2)] * 3], 8) is None
+    assert coalesced_tokens([[(0.1, 1), (0.1, 1)]], 8) is None
+    assert coalesced_tokens([[(0.1, 200)]], 8) == 256
+    assert coalesced_tokens([[(0.1, 200)]], 256) is None
+
+
+async def test_an_engine_streaming_16_tokens_a_chunk_still_has_its_decode_fitted(
+    router_with: Any, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A vLLM started with --stream-interval 16 ignores the probes' stream_interval: 1. Their
+    # eight tokens came in two chunks, and the decode fit was silently skipped (the decode
+    # model stayed the prior's: half the speed of an engine twice as slow was never seen).
+    engine = CoalescingSimEngine(MODEL, timing=StepTiming(H100), tokens_per_chunk=16)
+    engine.set_slowdown(2.0)
+    router = await router_with({"a": SimTransport(engine)})
+    await joined_at(router, "a")
+    a = router.pool.engines[0]
+    assert a.forecast.scale == pytest.approx(2.0, rel=0.02)
+    assert a.forecast.decode_scale == pytest.approx(2.0, rel=0.05)
+    assert a.profiled_decode_scale == a.forecast.decode_scale
 
 
 async def test_an_engine_joins_once_its_profiling_is_done_at_an_exact_time(

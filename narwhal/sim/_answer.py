@@ -312,6 +312,9 @@ def _body_pieces(
         natural = directives.output_tokens
     else:
         natural = reasoning + rng.randint(8, 48)
+        if request.ignore_eos and request.max_tokens is not None:
+            # The end-of-sequence token does not end it: the cap does (finish "length").
+            natural = max(natural, request.max_tokens + 1)
     # A completion continues the prompt, so its first word keeps its space (" Paris").
     room = natural - reasoning - hidden - len(think) - len(end)
     words = _words(rng, max(0, room), strip_first=chat)
@@ -396,8 +399,9 @@ def generate(
     request's ``X-Request-Id`` header (vLLM answers with it as the ``id``).
 
     Length: ``output_tokens`` if given (reasoning and silent tokens included), else the
-    reasoning plus a seeded 8..48 tokens; tool calls and refusals take the tokens they need.
-    ``max_tokens`` cuts the answer (finish ``length``).
+    reasoning plus a seeded 8..48 tokens, or with ``ignore_eos`` as many as ``max_tokens``
+    allows; tool calls and refusals take the tokens they need. ``max_tokens`` cuts the answer
+    (finish ``length``).
     """
     directives = request.directives
     response_id = _response_id(ids, dialect, request, request_id)

@@ -239,6 +239,8 @@ class SimRequest:
             false).
         reasoning_parser: the engine runs a reasoning parser (vLLM: chat usage then reports
             ``completion_tokens_details.reasoning_tokens``).
+        ignore_eos: vLLM's and SGLang's ``ignore_eos``: a plain answer runs on to its output
+            cap (finish ``length``) instead of ending at its natural length.
     """
 
     route: Route
@@ -262,6 +264,7 @@ class SimRequest:
     request_id: str | None = None
     role: str = "assistant"
     reasoning_parser: bool = False
+    ignore_eos: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -626,6 +629,7 @@ def parse_request(
 
     logprobs, prompt_logprobs = _logprob_fields(body, route, stream, vllm)
     echo = vllm and _optional_bool(body, "echo")
+    ignore_eos = dialect != "openai" and _optional_bool(body, "ignore_eos")
     request_id = body.get("request_id") if vllm else None
     if request_id is not None and not isinstance(request_id, str):
         raise validation_error(
@@ -710,4 +714,5 @@ def parse_request(
         prompt_logprobs=prompt_logprobs,
         role=role,
         reasoning_parser=reasoning_parser and vllm,
+        ignore_eos=ignore_eos,
     )

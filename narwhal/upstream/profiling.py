@@ -10,9 +10,11 @@ its drift asks for it (:mod:`narwhal.scheduling.drift`). The measurement, on an 
   event, the fastest of the two, is the observed time to first token.
 * **decode**: at each batch size of :data:`DECODE_BATCHES` (clipped to the profile's
   ``max_num_seqs``), that many streamed requests at once, of :data:`DECODE_TOKENS` tokens each
-  (``ignore_eos`` for the vLLM and SGLang dialects; the simulator's answers are never shorter),
-  whose inter-token gaps are measured per token. The batches run one after the other, so each
-  times a decode step over that many sequences.
+  (``ignore_eos`` for the vLLM and SGLang dialects, which the simulator honours too), whose
+  inter-token gaps are measured per token. The batches run one after the other, so each
+  times a decode step over that many sequences. An engine that streams several tokens a chunk
+  whatever the request asks gives too few gaps: the batch is asked again for enough tokens
+  (:func:`coalesced_tokens`), and so are the batches after it.
 
 The fit: ``observed = latency + scale * compute`` by least squares over the prompt sizes
 (``compute`` is the profile's time for the prompt alone on an idle engine, what the forecast
@@ -58,6 +60,7 @@ __all__ = [
     "PROMPT_SIZES",
     "ProfileFit",
     "ProfilingFailed",
+    "coalesced_tokens",
     "fit_decode",
     "fit_prefill",
     "probe_sizes",
@@ -81,6 +84,7 @@ PROBE_USER = "narwhal-profiling"
 _DECODE_PROMPT = 64
 _ROUNDS = 2  # probes per prompt size; the fastest counts
 _MIN_GAPS = 3
+_MOST_DECODE_TOKENS = 256  # a decode probe of an engine that coalesces its stream asks at most
 _NOISE_RISE = 3  # the decode step's rise over the batches, in its gaps' deviations, to fit
 # Token IDs every vocabulary holds, past the special tokens that lead most of them: a small
 # model's vocabulary may be only a few thousand (the real-engine tier's has 2,048), and vLLM
@@ -238,12 +242,26 @@ async def profile_engine(
         samples.append((size, min(times)))
     prompt_tokens = min(_DECODE_PROMPT, samples[0][0])
     batches: dict[int, list[list[tuple[float, int]]]] = {}
+    max_tokens = DECODE_TOKENS
     for batch in decode_batches(profile):
         prompts = [[ids.randrange(*_ID_RANGE) for _ in range(prompt_tokens)] for _ in range(batch)]
-        probes = await _probe_batch(engine, client, model, prompts, timeout_s)
+        probes = await _probe_batch(engine, client, model, prompts, max_tokens, timeout_s)
+        while (longer := coalesced_tokens(probes, max_tokens)) is not None:
+            # The engine streams several tokens a chunk whatever the request asks (a vLLM
+            # started with --stream-interval): too few gaps to time its steps. Ask for enough
+            # tokens, for this batch and the next ones (each time more, to a cap).
+            max_tokens = longer
+            probes = await _probe_batch(engine, client, model, prompts, max_tokens, timeout_s)
         # A batch whose answers the engine ended early is left out.
         if all(len(gaps) >= _MIN_GAPS for gaps in probes):
             batches[batch] = probes
+    if not batches:
+        log.warning(
+            "engine %s: no decode probe had %d inter-token gaps; its decode model is left as "
+            "it was (its time per output token is learned from live traffic only)",
+            engine.name,
+            _MIN_GAPS,
+        )
     scale, latency_s = fit_prefill(profile, samples)
     decode_scale, decode_slope = engine.forecast.decode_scale, engine.forecast.decode_slope
     if batches:
@@ -256,8 +274,31 @@ async def profile_engine(
     return ProfileFit(scale, latency_s, decode_scale, decode_slope, tuple(samples), gaps, decode)
 
 
+def coalesced_tokens(probes: Sequence[Sequence[tuple[float, int]]], max_tokens: int) -> int | None:
+    """The ``max_tokens`` that gives every probe enough gaps where the engine streams several
+    tokens a chunk and ``max_tokens`` gave some probe too few (``None``: no need, or no help:
+    the engine ended the answers early, or streams one token a chunk already).
+
+    The first token travels alone; each later chunk carries the most tokens any gap carried,
+    so ``1 + chunk * (_MIN_GAPS + 1)`` tokens give every probe a gap to spare (the first one,
+    which a batch leaves out), at most :data:`_MOST_DECODE_TOKENS`.
+    """
+    if all(len(gaps) >= _MIN_GAPS for gaps in probes):
+        return None
+    chunk = max((tokens for gaps in probes for _, tokens in gaps), default=1)
+    wanted = min(_MOST_DECODE_TOKENS, 1 + chunk * (_MIN_GAPS + 1))
+    if chunk <= 1 or wanted <= max_tokens:
+        return None
+    return wanted
+
+
 async def _probe_batch(
-    engine: Engine, client: EngineClient, model: str, prompts: list[list[int]], timeout_s: float
+    engine: Engine,
+    client: EngineClient,
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    timeout_s: float,
 ) -> list[list[tuple[float, int]]]:
     """Decode probes at once, one per prompt: each one's gaps (the first failure raised)."""
     gaps: list[list[tuple[float, int]]] = []
@@ -265,7 +306,7 @@ async def _probe_batch(
 
     async def one(prompt: list[int]) -> None:
         try:
-            _, probe_gaps = await _probe(engine, client, model, prompt, DECODE_TOKENS, timeout_s)
+            _, probe_gaps = await _probe(engine, client, model, prompt, max_tokens, timeout_s)
         except ProfilingFailed as failed:
             failures.append(failed)
             nursery.cancel_scope.cancel()

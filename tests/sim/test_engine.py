@@ -77,6 +77,29 @@ def test_max_tokens_caps_the_output(key: str, value: int) -> None:
     assert body["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_ignore_eos_runs_a_plain_answer_to_its_cap(dialect: str) -> None:
+    # vLLM's and SGLang's sampling parameter: the end-of-sequence token does not end the
+    # answer, max_tokens does (what profiling's decode probes rely on).
+    engine = SimEngine(MODEL, dialect=dialect)  # type: ignore[arg-type]
+    body = json_body(chat(engine, max_tokens=300, ignore_eos=True))
+    assert body["usage"]["completion_tokens"] == 300
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert json_body(chat(engine, max_tokens=300))["usage"]["completion_tokens"] <= 48
+
+
+def test_openai_has_no_ignore_eos() -> None:
+    engine = SimEngine(MODEL, dialect="openai")
+    body = json_body(chat(engine, max_tokens=300, ignore_eos=True))
+    assert body["usage"]["completion_tokens"] <= 48
+
+
+def test_a_non_boolean_ignore_eos_is_vllms_validation_error() -> None:
+    plan = chat(SimEngine(MODEL), ignore_eos="yes")
+    assert plan.status == 400
+    assert json_body(plan)["error"]["message"].count("ignore_eos") == 1
+
+
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
     body = json_body(
         chat(
