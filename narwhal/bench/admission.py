@@ -139,6 +139,8 @@ class AdmissionSettings:
         """Plain values for the JSON report."""
         setup = self.setup
         admission = attrs.asdict(setup.router.admission)
+        if math.isinf(admission["tpot_target_s"]):
+            admission["tpot_target_s"] = None  # none: JSON has no infinity
         return {
             "trace": setup.trace,
             "duration_s": setup.duration_s,

@@ -159,6 +159,13 @@ def render_checks(checks: Sequence[Check]) -> list[str]:
     return lines
 
 
+def _tpot_target(settings: dict[str, Any]) -> str:
+    target = settings.get("admission", {}).get("tpot_target_s")
+    if target is None:
+        return "no TPOT target (placement fills the engines' batches)"
+    return f"TPOT target {target:g} s (placement holds each engine's batch to it)"
+
+
 def render_report(report: AdmissionReport) -> list[str]:
     """The whole printed report."""
     settings = report.settings
@@ -168,7 +175,8 @@ def render_report(report: AdmissionReport) -> list[str]:
         "narwhal bench admission (virtual time: router and simulated engines under the "
         "MockClock, seeded)",
         f"engines: {settings['engines']} x {settings['profile']} (vllm dialect, continuous "
-        f"batching); TTFT budget {settings['budget_s']:g} s; seed {settings['seed']}",
+        f"batching); TTFT budget {settings['budget_s']:g} s; {_tpot_target(settings)}; seed "
+        f"{settings['seed']}",
         f"trace: {trace['name']}, {trace['requests']} requests over {trace['span_s']:.0f} s of "
         f"trace ({trace['mean_rate']:.2f} req/s), replayed whole at each load (time axis scaled)",
     ]

@@ -565,6 +565,15 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="the TTFT budget (default %(default)s)",
     )
+    parser.add_argument(
+        "--tpot-target-s",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="the router's admission.tpot_target_s, in the capacity loop and every mode "
+        "(default: none: placement keeps no TPOT target, since the bound is the engines' "
+        "full-batch capacity, which a target their full batch misses holds them below)",
+    )
     parser.add_argument("--trace", default="conv", choices=TRACE_NAMES, help="the trace")
     parser.add_argument("--seed", type=int, default=0, help="seeds everything (default 0)")
     parser.add_argument(
@@ -743,6 +752,10 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
             base,
             serving=attrs.evolve(base.serving, model=router.serving.model),
             engines=router.engines,
+        )
+    if args.tpot_target_s is not None:
+        router = attrs.evolve(
+            router, admission=attrs.evolve(router.admission, tpot_target_s=args.tpot_target_s)
         )
     samples_text = args.false_refusal_samples or (
         _QUICK_SAMPLES if args.quick else _DEFAULT_SAMPLES

@@ -212,8 +212,9 @@ def default_router(
     model: str = "llama-3.1-8b-instruct",
     profile: str = "h100-llama3-8b",
     types: tuple[str, ...] = (),
+    tpot_target_s: float = math.inf,
 ) -> Config:
-    """The router the benchmark measures: ``engines`` vLLM engines, the shipped defaults but one.
+    """The router the benchmark measures: ``engines`` vLLM engines, the shipped defaults but two.
 
     Each engine's profile (the router's prior for it) is ``profile``, or with ``types`` the
     router's profile of the same name as the engine's type (``h100`` is ``h100-llama3-8b``).
@@ -221,11 +222,17 @@ def default_router(
     ``decode_concurrency`` is the engines' batch size (``max_num_seqs`` of their profile), as
     the docs advise (docs: Admission control, "Choosing the limits"): the shipped 128 is half
     of what the simulated engines batch, and would cap the router below their capacity.
+
+    ``tpot_target_s`` is none (infinite) unless given: the benchmark measures admission
+    against the TTFT budget, and its bound is the engines' full-batch capacity. The shipped
+    0.1 s holds the batch of an engine whose full batch steps slower than that (an H100-like
+    engine twice as slow as its profile is one) below that capacity, for every mode alike:
+    a bound no policy that keeps the target can reach.
     """
     batch = get_profile(profile).max_num_seqs
     return Config(
         serving=ServingConfig(model=model),
-        admission=AdmissionConfig(decode_concurrency=batch),
+        admission=AdmissionConfig(decode_concurrency=batch, tpot_target_s=tpot_target_s),
         upstream=UpstreamConfig(read_timeout_s=600),
         engines=tuple(
             EngineConfig(

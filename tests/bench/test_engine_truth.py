@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import trio
@@ -86,6 +87,18 @@ def test_the_command_line_options() -> None:
         with pytest.raises(ValueError):
             _settings(*argv)
     assert main(["admission", "--engines", "tpu"]) == 2
+
+
+def test_placement_keeps_no_tpot_target_unless_asked() -> None:
+    # The bound is the engines' full-batch capacity: a TPOT target that a 2x-slow engine's
+    # full batch misses would hold every mode below it (the wrong-prior headline lost 10
+    # points of goodput at 2x to it).
+    plain = _settings()
+    assert math.isinf(plain.setup.router.admission.tpot_target_s)
+    assert plain.as_json()["admission"]["tpot_target_s"] is None
+    held = _settings("--tpot-target-s", "0.1")
+    assert held.setup.router.admission.tpot_target_s == 0.1
+    assert held.as_json()["admission"]["tpot_target_s"] == 0.1
 
 
 async def test_a_fleet_of_two_engine_types_and_a_slowdown_half_way(
