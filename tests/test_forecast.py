@@ -90,12 +90,33 @@ def test_learning_separates_latency_from_compute() -> None:
     assert forecast.latency_s == pytest.approx(0.020, abs=0.003)
 
 
-def test_only_requests_placed_on_an_idle_pipeline_teach() -> None:
+def test_a_request_placed_behind_others_teaches_the_scale_at_half_the_rate() -> None:
     forecast = PrefillForecast(H100)
     forecast.place(1024, now=0.0)
     key, predicted = forecast.place(1024, now=0.0)  # waited behind the first
     forecast.first_token(key, placed_at=0.0, predicted=predicted, now=10.0, tokens=0)
-    assert forecast.scale == 1.0 and forecast.latency_s == 0.0
+    # 150 times late, clipped to a quarter, at a tenth: its time was partly the first's.
+    assert forecast.scale == pytest.approx(1.025) and forecast.latency_s == 0.0
+
+
+def test_a_busy_engine_that_turned_twice_as_slow_is_learned_while_it_is_busy() -> None:
+    # No prompt ever finds the pipeline idle (a burst): only the busy ones can teach. Each
+    # first token comes twice as long after placement as the profile says.
+    forecast = PrefillForecast(H100)
+    scales = []
+    for n in range(30):
+        now = 10.0 * n
+        scale = forecast.scale
+        ahead, _ = forecast.place(2048, now=now)
+        key, predicted = forecast.place(1024, now=now)
+        forecast.abandon_prefill(ahead, now)  # the one ahead teaches nothing here
+        observed = now + 2 * (predicted - now) / scale
+        forecast.first_token(key, placed_at=now, predicted=predicted, now=observed, tokens=0)
+        forecast.finish_decode(0)
+        scales.append(forecast.scale)
+    assert scales[0] == pytest.approx(1.025)
+    assert scales == sorted(scales)
+    assert scales[9] > 1.25 and 1.8 < scales[-1] < 2.0  # towards the truth, never past it
 
 
 def test_one_outlier_moves_the_model_by_at_most_a_quarter_of_the_error_bound() -> None:
@@ -134,12 +155,14 @@ def test_tpot_counts_every_sequence_that_will_decode() -> None:
     assert forecast.tpot_with(1000) == pytest.approx(H100.decode_step_ms(12, 12_000) / 1000)
 
 
-def test_a_prompt_joined_in_its_step_does_not_teach() -> None:
+def test_a_prompt_joined_in_its_step_teaches_only_as_a_busy_one() -> None:
     forecast = PrefillForecast(H100)
     key, predicted = forecast.place(1024, now=0.0)  # alone on an idle pipeline: a teacher
     forecast.place(4096, now=0.0)  # ...until this one shares its step and slows it down
     forecast.first_token(key, placed_at=0.0, predicted=predicted, now=predicted * 3, tokens=0)
-    assert forecast.scale == 1.0 and forecast.latency_s == 0.0
+    # Not the latency, and the scale by a tenth of a quarter at most (a busy engine's
+    # speed is learned from such prompts too, clipped towards the typical case).
+    assert forecast.scale == pytest.approx(1.025) and forecast.latency_s == 0.0
 
 
 def test_a_step_holds_at_most_prefill_limit_prompts() -> None:

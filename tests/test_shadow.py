@@ -132,8 +132,10 @@ async def test_shadow_records_the_refusals_predictive_makes_and_refuses_none(
         assert s.decision.headers == p.decision.headers
         assert s.decision.projection is not None and p.decision.projection is not None
         assert s.decision.projection.engine == p.decision.projection.engine
-        # Equal but for rounding: the second fleet runs at later virtual times.
-        assert times(s.decision.projection) == pytest.approx(times(p.decision.projection))
+        # Equal but for rounding (the second fleet runs at later virtual times) and for what
+        # the requests shadow mode admits where predictive refused teach the forecast when
+        # their first tokens come (placed behind others, a little: PrefillForecast._learn_busy).
+        assert times(s.decision.projection) == pytest.approx(times(p.decision.projection), rel=0.01)
     assert [s.decision.verdict for s in seen_p.seen if s.decision.code] == ["refused"] * 3
     assert [s.decision.verdict for s in seen_s.seen] == ["admitted"] * len(seen_s.seen)
     assert predictive.counters()["refused"] == 3

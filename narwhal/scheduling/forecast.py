@@ -19,7 +19,11 @@ time is their own): ``scale`` multiplies the profile's compute (a slower or fast
 its profile; the engine's drift) and ``latency_s`` is added. The two are fitted together by
 normalised least mean squares on ``observed = latency + scale * compute``, so prompts of
 different sizes tell them apart; with one size only, the part that is larger explains more.
-When a first token arrives, the rest of the pipeline moves by as much as that prompt was late.
+Requests placed behind others teach the scale too, at half the rate: their observed over
+predicted time from placement to first token is how much slower the whole pipeline ran than
+predicted (:meth:`PrefillForecast._learn_busy`), so that a busy engine's speed is learned
+while it is busy. When a first token arrives, the rest of the pipeline moves by as much as
+that prompt was late.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from narwhal.scheduling.profiles import EngineProfile
 __all__ = ["Backlog", "Prefill", "PrefillForecast"]
 
 _LEARNING_RATE = 0.2
+_BUSY_LEARNING_RATE = 0.1  # a prompt placed behind others: its time is partly theirs
 _DECODE_RATE = 0.02
 _SCALE_BOUNDS = (0.05, 50.0)
 _SLOPE_BOUNDS = (0.0, 1000.0)  # the profile's batch terms are small beside its fixed cost
@@ -329,6 +334,8 @@ class PrefillForecast:
         if placed is not None and placed.teaches is not None:
             compute_s, wait_s = placed.teaches  # the wait for the running step is measured
             self._learn(observed=now - placed_at - wait_s, compute=compute_s)
+        elif placed is not None:
+            self._learn_busy(observed=now - placed_at, predicted=predicted - placed_at)
 
     def assume_first_token(self, key: int, *, now: float, tokens: int) -> None:
         """A placed request whose first token cannot be seen (its engine answers it whole) is
@@ -355,6 +362,25 @@ class PrefillForecast:
             _LATENCY_BOUNDS[1], max(_LATENCY_BOUNDS[0], w_latency * _LATENCY_UNIT_S)
         )
         self.scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], w_compute))
+
+    def _learn_busy(self, *, observed: float, predicted: float) -> None:
+        """A prompt placed behind others got its first token ``observed`` after placement,
+        where ``predicted`` (the work ahead of it and its own, at the scale of then) was
+        predicted: the pipeline ran that much slower or faster than the scale says.
+
+        Its time is not its own (the compute ahead, a neighbour sharing its step), so it
+        moves the scale less than a prompt placed on an idle pipeline does, clipped alike
+        towards the typical case. Without it a busy engine never teaches its speed: one that
+        turns slower during a burst (or while idle, before one) is predicted at its old speed
+        until the burst ends, and every wait on it runs late (the wrong-prior benchmark: a
+        slowed engine's waits 2.3 times their prediction, median, through its first burst).
+        """
+        expected = predicted - self.latency_s
+        if expected <= 0:
+            return
+        ratio = min(max((observed - self.latency_s) / expected, 0.8), 1.25)
+        scaled = self.scale * (1.0 + _BUSY_LEARNING_RATE * (ratio - 1.0))
+        self.scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], scaled))
 
     def abandon_prefill(self, key: int, now: float) -> None:
         """A placed request left before its first token."""
