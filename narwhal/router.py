@@ -585,7 +585,7 @@ class Router(RouterBase):
         if placed.decision is not None:
             self.observers.served(placed.decision, Served(engine, ttft, predicted_ttft))
         if produced is not None and finished:
-            self.lengths.learn(route, max_output_tokens, produced)
+            self.lengths.learn(route, max_output_tokens, produced, placed.slot.prompt_tokens)
 
     # -- shutdown ---------------------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
-"""Output lengths: learned per route and max_tokens bucket, with decode correction."""
+"""Output lengths: learned per route, max_tokens bucket and prompt band, with decode
+correction."""
 
 from __future__ import annotations
 
 import pytest
 
-from narwhal.scheduling.lengths import OutputLengths
+from narwhal.scheduling.lengths import BAND_LEAST, SEGMENTS, OutputLengths, prompt_band
 
 
 def test_without_data_a_prior_capped_by_max_tokens() -> None:
@@ -65,7 +66,7 @@ def test_running_requests_lengthen_what_completions_alone_suggest() -> None:
     for _ in range(100):
         lengths.learn("chat", None, 10)
     alone = lengths.remaining("chat", None, generated=0).bounds()
-    census = lengths.census([("chat", None, 300)] * 100)
+    census = lengths.census([("chat", None, 300, None)] * 100)
     counted = census.remaining("chat", None, generated=0).bounds()
     assert alone[-1] == 10
     assert counted[:4] == [10.0] * 4  # half of the mass ended at 10 tokens
@@ -89,6 +90,43 @@ def test_outputs_may_be_longer_than_any_seen_until_one_runs_past() -> None:
     assert late[:8] == [10.0] * 8 and late[-1] > 1000  # 8 of 520: the tail's weight is small
     # A running request that has generated 1,500 tokens is past most of the prior: what is
     # left of it is beyond 1,500.
-    census = lengths.census([("chat", 2048, 1500)])
+    census = lengths.census([("chat", 2048, 1500, None)])
     assert census.remaining("chat", 2048, generated=1500).bound(0) >= 1
     assert census.remaining("chat", 2048, generated=1500).bound(8) <= 2048 - 1500
+
+
+def test_prompt_bands_are_quarter_octaves() -> None:
+    assert prompt_band(1024) == prompt_band(1279) != prompt_band(1280)
+    assert prompt_band(1023) != prompt_band(1024)
+    assert prompt_band(1) == prompt_band(4)
+    assert len({prompt_band(n) for n in range(1024, 2048)}) == 4
+
+
+def test_a_prompt_band_answers_for_its_prompts_once_it_has_learned() -> None:
+    # Templates tie the answer's length to the prompt's: prompts of about 1,100 tokens answer
+    # with 400, the others with 50 (the Azure conversation trace's shape, simplified).
+    lengths = OutputLengths(quantile=0.5, prior=False)
+    for _ in range(BAND_LEAST - 1):
+        lengths.learn("chat", None, 400, prompt_tokens=1100)
+    for _ in range(200):
+        lengths.learn("chat", None, 50, prompt_tokens=300)
+    # One short of BAND_LEAST: the bucket answers, which the short answers dominate.
+    assert lengths.expected_total("chat", None, prompt_tokens=1100) == 50
+    lengths.learn("chat", None, 400, prompt_tokens=1100)
+    assert lengths.expected_total("chat", None, prompt_tokens=1100) == 400
+    assert lengths.expected_total("chat", None, prompt_tokens=300) == 50
+    assert lengths.expected_total("chat", None, prompt_tokens=5000) == 50  # an empty band
+    assert lengths.expected_total("chat", None) == 50  # no prompt size: the bucket
+    assert lengths.remaining("chat", None, prompt_tokens=1100).bounds() == [400.0] * 9
+
+
+def test_the_census_counts_a_running_request_in_its_band_and_its_bucket() -> None:
+    lengths = OutputLengths(prior=False)
+    for _ in range(BAND_LEAST):
+        lengths.learn("chat", None, 100, prompt_tokens=1100)
+    # A request of the band running past every completed length: the band's distribution
+    # (and the bucket's) can no longer end everything at 100.
+    census = lengths.census([("chat", None, 150, 1100)] * BAND_LEAST)
+    assert census.remaining("chat", None, 150, 1100).bound(SEGMENTS) > 1
+    assert census.remaining("chat", None, 150).bound(SEGMENTS) > 1
+    assert lengths.census(()).remaining("chat", None, 0, 1100).bound(SEGMENTS) == 100

@@ -78,7 +78,9 @@ class _Ends:
             start = plan.now
             if slot.phase == "prefill":
                 start = max(start, slot.expected_first_token_at)
-            rest = plan.census.remaining(slot.route, slot.max_tokens, slot.generated_tokens)
+            rest = plan.census.remaining(
+                slot.route, slot.max_tokens, slot.generated_tokens, slot.prompt_tokens
+            )
             knots.append((start + rest.bound(0) * tpot, number, _Running(start, rest)))
         heapq.heapify(knots)
         self._knots = knots
@@ -271,7 +273,7 @@ class EnginePlan:
         self.decoding = (sequences + 1, context + waiter.prompt_tokens)  # it decodes next
         first = self.backlog.free_at + forecast.latency_s
         heapq.heappush(self.prefill_free, first)  # its prefill slot frees at its first token
-        rest = self.census.remaining(waiter.route, waiter.max_tokens)
+        rest = self.census.remaining(waiter.route, waiter.max_tokens, 0, waiter.prompt_tokens)
         heapq.heappush(self.placed, first + rest.mean_bound() * self.tpot_s)
 
 
@@ -286,15 +288,21 @@ class _LazyCensus:
         self._engines = engines
         self._census: Census | None = None
 
-    def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> Remaining:
+    def remaining(
+        self,
+        route: str,
+        max_tokens: int | None,
+        generated: int = 0,
+        prompt_tokens: int | None = None,
+    ) -> Remaining:
         census = self._census
         if census is None:
             census = self._census = self._lengths.census(
-                (slot.route, slot.max_tokens, slot.generated_tokens)
+                (slot.route, slot.max_tokens, slot.generated_tokens, slot.prompt_tokens)
                 for engine in self._engines
                 for slot in engine.slots
             )
-        return census.remaining(route, max_tokens, generated)
+        return census.remaining(route, max_tokens, generated, prompt_tokens)
 
 
 class Plan:

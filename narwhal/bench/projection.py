@@ -137,7 +137,7 @@ def _measure(settings: ProjectionSettings, clock: trio.testing.MockClock) -> Pro
     rows = load_trace("conv")
     lengths = OutputLengths()
     for row in rng.sample(rows, 512):
-        lengths.learn("chat", None, row.output_tokens)
+        lengths.learn("chat", None, row.output_tokens, row.prompt_tokens)
     profile = get_profile("h100-llama3-8b")
     engines = [
         Engine(

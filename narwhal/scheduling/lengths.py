@@ -7,6 +7,16 @@ token counts of completed requests, keeps the recent ones, and answers with a qu
 lengths still possible: a request that has already produced ``g`` tokens is expected to stop at
 a length above ``g`` (decode correction), not at the unconditional median.
 
+Within a bucket, lengths are also learned per **prompt band** (quarter octaves of the sized
+prompt: 1,024 to 1,279 tokens, 1,280 to 1,535, ...), and a band that holds at least
+:data:`BAND_LEAST` completions answers for its prompts instead of the whole bucket. Traffic
+from templates and applications often ties the answer's length to the prompt's: in the Azure
+conversation trace, prompts of 1,024 to 1,279 tokens answer with 374 to 491 tokens (10th to
+90th percentile) where the whole trace spans 54 to 424, and the mean error of a band's median
+is a third of the whole trace's (42 tokens against 131). Where prompts say nothing of the
+answer (the Azure code trace), a band's distribution is the bucket's, only noisier until it
+fills.
+
 A single conservative figure per request is the wrong answer to "when does the next decode slot
 free up?": with a hundred requests running, the first of them ends long before any one of them
 is expected to. :meth:`OutputLengths.remaining` therefore gives each running request's whole
@@ -25,7 +35,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-__all__ = ["SEGMENTS", "Census", "OutputLengths", "Remaining"]
+__all__ = ["BAND_LEAST", "SEGMENTS", "Census", "Key", "OutputLengths", "Remaining", "prompt_band"]
 
 _WINDOW = 512
 _PRIOR_TOKENS = 256
@@ -36,12 +46,29 @@ _PRIOR_LONGEST = 4096  # the prior's longest output when requests set no max_tok
 SEGMENTS = 8
 """:meth:`OutputLengths.remaining` splits each distribution into this many equal shares."""
 
+BAND_LEAST = 32
+"""Completions a prompt band needs before it answers for its prompts instead of its bucket."""
+
+_WHOLE = -1  # the band of a bucket's every prompt
+
+Key = tuple[str, int, int]
+"""A distribution's key: route, ``max_tokens`` bucket, prompt band (or ``_WHOLE``)."""
+
 
 @functools.cache
 def _bucket(route: str, max_tokens: int | None) -> tuple[str, int]:
     if max_tokens is None:
         return route, 0
     return route, max(1, max_tokens).bit_length()
+
+
+@functools.cache
+def prompt_band(tokens: int) -> int:
+    """The prompt band of a ``tokens``-token prompt: quarter octaves (4 per doubling; prompts
+    of 1 to 7 tokens share the first bands)."""
+    tokens = max(tokens, 4)
+    bits = tokens.bit_length()
+    return bits * 4 + ((tokens >> (bits - 3)) & 3)
 
 
 @attrs.define
@@ -69,20 +96,43 @@ class OutputLengths:
 
     quantile: float = 0.75
     prior: bool = True
-    _by_bucket: dict[tuple[str, int], _Lengths] = attrs.field(factory=dict)
+    _by_bucket: dict[Key, _Lengths] = attrs.field(factory=dict)
 
-    def learn(self, route: str, max_tokens: int | None, tokens: int) -> None:
-        """A request of this route and ``max_tokens`` produced ``tokens`` tokens."""
-        key = _bucket(route, max_tokens)
-        lengths = self._by_bucket.get(key)
-        if lengths is None:
-            lengths = self._by_bucket[key] = _Lengths()
-        lengths.add(tokens)
+    def learn(
+        self, route: str, max_tokens: int | None, tokens: int, prompt_tokens: int | None = None
+    ) -> None:
+        """A request of this route and ``max_tokens`` (and a ``prompt_tokens``-token prompt,
+        as it was sized) produced ``tokens`` tokens."""
+        keys = [(*_bucket(route, max_tokens), _WHOLE)]
+        if prompt_tokens is not None:
+            keys.append((*_bucket(route, max_tokens), prompt_band(prompt_tokens)))
+        for key in keys:
+            lengths = self._by_bucket.get(key)
+            if lengths is None:
+                lengths = self._by_bucket[key] = _Lengths()
+            lengths.add(tokens)
 
-    def expected_total(self, route: str, max_tokens: int | None, generated: int = 0) -> float:
+    def key(self, route: str, max_tokens: int | None, prompt_tokens: int | None = None) -> Key:
+        """The distribution that answers for such a request: its prompt band's once the band
+        holds :data:`BAND_LEAST` completions, else its bucket's."""
+        route, bits = _bucket(route, max_tokens)
+        if prompt_tokens is not None:
+            band = (route, bits, prompt_band(prompt_tokens))
+            lengths = self._by_bucket.get(band)
+            if lengths is not None and len(lengths.ordered) >= BAND_LEAST:
+                return band
+        return route, bits, _WHOLE
+
+    def expected_total(
+        self,
+        route: str,
+        max_tokens: int | None,
+        generated: int = 0,
+        prompt_tokens: int | None = None,
+    ) -> float:
         """The output length to expect, given ``generated`` tokens so far."""
         cap = max_tokens if max_tokens is not None else None
-        lengths = self._by_bucket.get(_bucket(route, max_tokens))
+        lengths = self._by_bucket.get(self.key(route, max_tokens, prompt_tokens))
         if lengths is None or not lengths.ordered:
             guess = float(max(_PRIOR_TOKENS, generated + 1))
         else:
@@ -97,23 +147,30 @@ class OutputLengths:
             guess = min(guess, float(cap))
         return max(guess, generated + 1.0)
 
-    def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> Remaining:
+    def remaining(
+        self,
+        route: str,
+        max_tokens: int | None,
+        generated: int = 0,
+        prompt_tokens: int | None = None,
+    ) -> Remaining:
         """The tokens still to come for one request, given ``generated`` so far.
 
         Learned from the completed requests alone; :meth:`census` also counts the running ones.
         """
-        return self.census(()).remaining(route, max_tokens, generated)
+        return self.census(()).remaining(route, max_tokens, generated, prompt_tokens)
 
-    def census(self, running: Iterable[tuple[str, int | None, int]]) -> Census:
+    def census(self, running: Iterable[tuple[str, int | None, int, int | None]]) -> Census:
         """The distributions, completed by the requests running now (see :class:`Census`).
 
         Args:
-            running: ``(route, max_tokens, generated)`` of each running request.
+            running: ``(route, max_tokens, generated, prompt_tokens)`` of each running request
+                (``prompt_tokens`` ``None``: unknown, its bucket's).
         """
         return Census(self, running)
 
-    def completed(self, key: tuple[str, int]) -> Sequence[int]:
-        """The bucket's recent completed lengths, ascending."""
+    def completed(self, key: Key) -> Sequence[int]:
+        """The distribution's recent completed lengths, ascending."""
         lengths = self._by_bucket.get(key)
         return lengths.ordered if lengths is not None else ()
 
@@ -130,32 +187,47 @@ class Census:
     """
 
     def __init__(
-        self, lengths: OutputLengths, running: Iterable[tuple[str, int | None, int]]
+        self, lengths: OutputLengths, running: Iterable[tuple[str, int | None, int, int | None]]
     ) -> None:
         self._lengths = lengths
-        self._running: dict[tuple[str, int], list[int]] = {}
-        for route, max_tokens, generated in running:
-            self._running.setdefault(_bucket(route, max_tokens), []).append(generated)
-        self._distributions: dict[tuple[str, int], _Distribution] = {}
-        self._answers: dict[tuple[str, int | None, int], Remaining] = {}
+        # Each running request counts in its bucket's distribution and in its band's.
+        self._running: dict[Key, list[int]] = {}
+        for route, max_tokens, generated, prompt_tokens in running:
+            bucket = _bucket(route, max_tokens)
+            self._running.setdefault((*bucket, _WHOLE), []).append(generated)
+            if prompt_tokens is not None:
+                band = (*bucket, prompt_band(prompt_tokens))
+                self._running.setdefault(band, []).append(generated)
+        self._distributions: dict[Key, _Distribution] = {}
+        self._answers: dict[tuple[Key, int | None, int], Remaining] = {}
 
-    def remaining(self, route: str, max_tokens: int | None, generated: int = 0) -> Remaining:
-        """The tokens still to come for a request that has generated ``generated``."""
-        asked = (route, max_tokens, generated)
+    def remaining(
+        self,
+        route: str,
+        max_tokens: int | None,
+        generated: int = 0,
+        prompt_tokens: int | None = None,
+    ) -> Remaining:
+        """The tokens still to come for a request that has generated ``generated`` (of a
+        ``prompt_tokens``-token prompt: its band's distribution, once the band has learned)."""
+        key = self._lengths.key(route, max_tokens, prompt_tokens)
+        asked = (key, max_tokens, generated)
         known = self._answers.get(asked)  # running requests often stand at the same count
         if known is None:
-            known = self._answers[asked] = self._remaining(route, max_tokens, generated)
+            known = self._answers[asked] = self._remaining(key, max_tokens, generated)
         return known
 
-    def _remaining(self, route: str, max_tokens: int | None, generated: int) -> Remaining:
-        key = _bucket(route, max_tokens)
+    def _remaining(self, key: Key, max_tokens: int | None, generated: int) -> Remaining:
         distribution = self._distributions.get(key)
         if distribution is None:
             completed = self._lengths.completed(key)
             running = self._running.get(key, [])
             horizon = max(completed[-1] if completed else 0, max(running, default=0))
             if self._lengths.prior:
-                completed = _with_prior(completed, key, horizon)
+                # A band's prior weighs as its bucket's does: what the bucket has learned
+                # of how far outputs go holds for the band.
+                known = len(self._lengths.completed((key[0], key[1], _WHOLE)))
+                completed = _with_prior(completed, key, horizon, known)
             distribution = _Distribution(completed, running)
             self._distributions[key] = distribution
         cap = math.inf if max_tokens is None else float(max_tokens)
@@ -165,7 +237,9 @@ class Census:
         return Remaining(distribution, generated, cap)
 
 
-def _with_prior(completed: Sequence[int], key: tuple[str, int], horizon: int) -> Sequence[int]:
+def _with_prior(
+    completed: Sequence[int], key: Key, horizon: int, known: int | None = None
+) -> Sequence[int]:
     """A bucket's completed lengths, with its prior's pseudo-completions beyond what is known.
 
     The first requests to complete are the short ones, and a request still running has only
@@ -179,11 +253,14 @@ def _with_prior(completed: Sequence[int], key: tuple[str, int], horizon: int) ->
     run past it. There are 64 of them in an empty bucket, fewer as real completions arrive,
     and 8 from a whole window of them on: a long tail stays possible, with a small weight.
     """
-    _, bits = key
+    bits = key[1]
     longest = (1 << bits) - 1 if bits else _PRIOR_LONGEST
     if longest <= max(horizon, _PRIOR_SHORTEST):
         return completed
-    count = max(_PRIOR_LEAST, round(_PRIOR_SAMPLES * (1.0 - len(completed) / _WINDOW)))
+    known = len(completed) if known is None else known
+    share = max(_PRIOR_LEAST, round(_PRIOR_SAMPLES * (1.0 - known / _WINDOW)))
+    # In proportion to the distribution's own completions when the bucket knows more.
+    count = max(1, round(share * max(len(completed), 1) / max(known, len(completed), 1)))
     ratio = longest / _PRIOR_SHORTEST
     prior = [
         length
