@@ -159,6 +159,14 @@ def render_checks(checks: Sequence[Check]) -> list[str]:
     return lines
 
 
+def _engines(settings: dict[str, Any]) -> str:
+    """``2 x h100-llama3-8b``, or each engine's profile where they differ."""
+    profiles = settings.get("engine_profiles") or [settings["profile"]] * settings["engines"]
+    if len(set(profiles)) == 1:
+        return f"{len(profiles)} x {profiles[0]}"
+    return " + ".join(profiles)
+
+
 def _tpot_target(settings: dict[str, Any]) -> str:
     target = settings.get("admission", {}).get("tpot_target_s")
     if target is None:
@@ -174,7 +182,7 @@ def render_report(report: AdmissionReport) -> list[str]:
     lines = [
         "narwhal bench admission (virtual time: router and simulated engines under the "
         "MockClock, seeded)",
-        f"engines: {settings['engines']} x {settings['profile']} (vllm dialect, continuous "
+        f"engines: {_engines(settings)} (vllm dialect, continuous "
         f"batching); TTFT budget {settings['budget_s']:g} s; {_tpot_target(settings)}; seed "
         f"{settings['seed']}",
         f"trace: {trace['name']}, {trace['requests']} requests over {trace['span_s']:.0f} s of "

@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal.bench.admission_report import _engines
 from narwhal.bench.cli import _admission_arguments, admission_settings, main
 from narwhal.bench.inprocess import EngineTruth, Slowdown, open_fleet
 from narwhal.bench.replay import default_router
@@ -123,3 +124,9 @@ async def test_a_fleet_of_two_engine_types_and_a_slowdown_half_way(
         bad = EngineTruth(slowdowns=(Slowdown("engine-z", 0.5, 2.0),))
         async with open_fleet(config, truth=bad):
             pass
+
+
+def test_the_report_names_each_engine_type() -> None:
+    headline = _settings("--engines", "h100,a100").as_json()
+    assert _engines(headline) == "h100-llama3-8b + a100-llama3-8b"
+    assert _engines(_settings().as_json()) == "2 x h100-llama3-8b"
