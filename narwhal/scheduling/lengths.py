@@ -64,8 +64,8 @@ def _bucket(route: str, max_tokens: int | None) -> tuple[str, int]:
 
 @functools.cache
 def prompt_band(tokens: int) -> int:
-    """The prompt band of a ``tokens``-token prompt: quarter octaves (4 per doubling; prompts
-    of 1 to 7 tokens share the first bands)."""
+    """The prompt band of a ``tokens``-token prompt: quarter octaves (4 per doubling; a
+    prompt under 4 tokens counts as 4)."""
     tokens = max(tokens, 4)
     bits = tokens.bit_length()
     return bits * 4 + ((tokens >> (bits - 3)) & 3)
