@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
@@ -22,6 +23,14 @@ from narwhal.web.app import create_app, get_router
 from tests.support import Pluggable
 
 MODEL = "llama-3.1-8b-instruct"
+
+# A shell without job control starts a background command (`./scripts/test &`) with SIGINT
+# ignored, and the processes the tests start inherit that: a Ctrl-C the tests send to a
+# `narwhal` command before it opens its own signal receiver was then lost, and the command ran
+# on (`narwhal top`, which relies on KeyboardInterrupt, never stopped). Ctrl-C reaches the
+# foreground process a user types it at: the tests' processes get it as that one would.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @attrs.define
