@@ -1,5 +1,6 @@
 """The relay's hot path: a streamed body's parts framed by the serving layer itself
-(``narwhal.send_body``), and the chunked decoder's whole-chunk path. Real sockets, bounded."""
+(``narwhal.send_body``), the application queue, and the chunked decoder's whole-chunk path.
+Real sockets, bounded."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import Any
 import h11
 import pytest
 import trio
+import trio.testing
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
 
 from narwhal.upstream.transport import ChunkedDecoder
 from narwhal.web.client import Client
-from narwhal.web.http11 import BODY_EXTENSION, Connections
+from narwhal.web.http11 import BODY_EXTENSION, AppTasks, Connections
 
 PARTS = [b"data: {}\n\n", b"data: " + b"x" * 70000 + b"\n\n", b'data: {"a": 1}\n\n']
 END = b"data: [DONE]\n\n"
@@ -106,3 +108,69 @@ def test_whole_chunks_in_one_read_come_out_joined() -> None:
 def test_a_whole_chunk_not_followed_by_crlf_is_malformed(after: bytes) -> None:
     with pytest.raises(ValueError, match="CRLF"):
         ChunkedDecoder().feed(b"3\r\nabc" + after + b"0\r\n\r\n")
+
+
+async def test_the_app_queue_hands_over_at_once_and_a_full_one_still_holds_the_reader() -> None:
+    """:class:`AppTasks`: a put that finds room returns without waiting, in order; one that
+    finds the queue full (``max_app_queue_size``) waits until the application reads, so a client
+    sending faster than its route reads is held back; a read of an empty queue waits."""
+    settings = HypercornConfig()
+    settings.max_app_queue_size = 2
+    may_read = trio.Event()
+    received: list[Any] = []
+    finished = trio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
+        await may_read.wait()
+        for _ in range(4):
+            received.append(await receive())
+
+    async def send(message: Any) -> None:
+        if message is None:
+            finished.set()
+
+    messages = [{"type": "http.request", "body": bytes([n]), "more_body": True} for n in range(4)]
+    put_done: list[int] = []
+    async with AppTasks() as tasks:
+        put = await tasks.spawn_app(app, settings, {"type": "http"}, send)
+
+        async def put_all() -> None:
+            for n, message in enumerate(messages[:3]):
+                await put(message)
+                put_done.append(n)
+
+        tasks.spawn(put_all)
+        await trio.testing.wait_all_tasks_blocked()
+        assert put_done == [0, 1]  # the third waits for room
+        may_read.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert put_done == [0, 1, 2]
+        assert received == messages[:3]  # the fourth read waits for its message
+        await put(messages[3])
+        with trio.fail_after(5):
+            await finished.wait()
+    assert received == messages
+
+
+async def test_a_put_with_room_and_a_read_with_a_message_skip_the_scheduler() -> None:
+    """Neither is a checkpoint (a cancelled caller still completes it): no scheduler pass per
+    body message on the request path."""
+    settings = HypercornConfig()
+    got: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
+        with trio.CancelScope() as cancelled:
+            cancelled.cancel()
+            got.append(await receive())
+        got.append(cancelled.cancelled_caught)
+
+    async def send(message: Any) -> None:
+        pass
+
+    async with AppTasks() as tasks:
+        put = await tasks.spawn_app(app, settings, {"type": "http"}, send)
+        with trio.CancelScope() as cancelled:
+            cancelled.cancel()
+            await put({"type": "http.disconnect"})
+        assert not cancelled.cancelled_caught
+    assert got == [{"type": "http.disconnect"}, False]

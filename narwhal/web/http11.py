@@ -58,9 +58,15 @@ from hypercorn.protocol.h11 import STREAM_ID, H11Protocol, H11WSConnection
 from hypercorn.protocol.http_stream import ASGIHTTPState
 from hypercorn.protocol.http_stream import HTTPStream as HypercornHTTPStream
 from hypercorn.protocol.ws_stream import Handshake, WSStream
-from hypercorn.trio.task_group import TaskGroup
+from hypercorn.trio.task_group import TaskGroup, _handle
 from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import AppWrapper, ConnectionState
+from hypercorn.typing import (
+    AppWrapper,
+    ASGIReceiveEvent,
+    ASGISendEvent,
+    ConnectionState,
+    Scope,
+)
 from hypercorn.utils import parse_socket_addr, suppress_body
 
 from narwhal.errors import envelope
@@ -69,6 +75,7 @@ from narwhal.sockets import SocketStream
 __all__ = [
     "BODY_EXTENSION",
     "DISCONNECT_EXTENSION",
+    "AppTasks",
     "Connection",
     "ConnectionStatistics",
     "Connections",
@@ -154,6 +161,55 @@ DISCONNECT_EXTENSION = "narwhal.on_disconnect"
 waiting for ``http.disconnect``: a callable taking a plain callback (``None`` removes it), called
 once, synchronously, when the connection ends (at once when it already has)
 (:meth:`HTTPStream.on_disconnect`). ``http.disconnect`` is still sent."""
+
+
+class AppTasks(TaskGroup):
+    """Hypercorn's task group of one connection, whose application queue hands a message over
+    without a trip through the scheduler while it can.
+
+    Hypercorn's queue between the connection and the application (a Trio memory channel of
+    ``max_app_queue_size``) is a checkpoint on every put (a request's body, its end, the
+    disconnect) and every get (the application's body reads): four or five scheduler passes
+    between a request's bytes and its route, and a keep-alive connection's next request waits
+    behind the last one's post-processing, which runs in the pass the disconnect's put gave
+    away. Here a put that finds room and a get that finds a message return at once; a full
+    queue still holds its putter (the client's reading stops: backpressure) and an empty one
+    its getter, both awaiting as before.
+    """
+
+    async def spawn_app(
+        self,
+        app: AppWrapper,
+        config: HypercornConfig,
+        scope: Scope,
+        send: Callable[[ASGISendEvent | None], Awaitable[None]],
+    ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
+        sender, receiver = trio.open_memory_channel[ASGIReceiveEvent](config.max_app_queue_size)
+
+        async def put(message: ASGIReceiveEvent) -> None:
+            try:
+                sender.send_nowait(message)
+            except trio.WouldBlock:
+                await sender.send(message)
+
+        async def receive() -> ASGIReceiveEvent:
+            try:
+                return receiver.receive_nowait()
+            except trio.WouldBlock:
+                return await receiver.receive()
+
+        assert self._nursery is not None
+        self._nursery.start_soon(
+            _handle,
+            app,
+            config,
+            scope,
+            receive,
+            send,
+            trio.to_thread.run_sync,
+            trio.from_thread.run,
+        )
+        return put
 
 
 class HTTPStream(HypercornHTTPStream):
@@ -603,7 +659,7 @@ class Connection:
             socket = self.stream.socket
             client = parse_socket_addr(socket.family, socket.getpeername())
             server = parse_socket_addr(socket.family, socket.getsockname())
-            async with TaskGroup() as task_group:
+            async with AppTasks() as task_group:
                 self.protocol = HTTP11Protocol(
                     self.app,
                     self.config,
