@@ -1,5 +1,5 @@
 """The engine transport: keep-alive reuse, early close, every broken engine answer as httpx's
-error with its pool slot given back."""
+error with its pool slot given back; the stream requests the engine client frames for it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import httpx
 import pytest
 import trio
 
+from narwhal.config import EngineConfig, UpstreamConfig
+from narwhal.upstream.client import EngineClient
 from narwhal.upstream.transport import EngineTransport
 
 Handler = Callable[[trio.SocketStream, int], Awaitable[None]]
@@ -331,3 +333,87 @@ async def test_answers_that_are_well_formed_if_unusual(nursery: trio.Nursery) ->
                     assert response.content == expected, target
     # the HTTP/1.0 answer and the one with bytes after its end were not pooled
     assert len(connections) == 3
+
+
+async def _recorded_requests(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, str]]
+) -> list[tuple[list[bytes], bytes]]:
+    """Open one stream per set of headers in ``calls`` through an :class:`EngineClient` with an
+    API key; return each request's head lines and body as the engine read them."""
+    seen: list[tuple[list[bytes], bytes]] = []
+
+    async def recording_server(stream: trio.SocketStream, number: int) -> None:
+        data = b""
+        while True:
+            while b"\r\n\r\n" not in data:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, _, data = data.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            length = next(
+                int(line.partition(b":")[2])
+                for line in lines
+                if line.lower().startswith(b"content-length:")
+            )
+            while len(data) < length:
+                data += await stream.receive_some(65536)
+            seen.append((lines, data[:length]))
+            data = data[length:]
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 14\r\n\r\n"
+                b"data: [DONE]\n\n"
+            )
+
+    url, _ = await serve(nursery, recording_server)
+    monkeypatch.setenv("NARWHAL_TEST_KEY", "sk-test")
+    engine = EngineConfig(name="gpu-7", url=url, api_key_env="NARWHAL_TEST_KEY")
+    upstream = UpstreamConfig(connect_timeout_s=2.0, read_timeout_s=5.0, max_connections=2)
+    engine_client = EngineClient(engine, upstream)
+    try:
+        for number, headers in enumerate(calls):
+            if number == 1:
+                engine_client.set_fence(7)
+            body = b'{"prompt": "%d"}' % number
+            async with await engine_client.open_stream(
+                "completions", body, ids_required=False, headers=headers
+            ) as stream:
+                assert type(await stream.next_event()).__name__ == "DoneEvent"
+    finally:
+        await engine_client.aclose()
+    return seen
+
+
+@pytest.mark.realtime
+async def test_a_stream_request_carries_the_client_headers_ours_and_the_callers(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head made once per route (the key, httpx's defaults, ours) with the caller's headers
+    and the length of each body; a fence set later is in every request after it; a caller's
+    header the head already has replaces it (through httpx's request)."""
+    calls = [{"x-request-id": "r-1"}, {"x-request-id": "r-2"}, {"accept": "application/json"}]
+    seen = await _recorded_requests(nursery, monkeypatch, calls)
+    assert [body for _, body in seen] == [b'{"prompt": "%d"}' % n for n in range(3)]
+    heads = [
+        (
+            lines[0],
+            {line.partition(b":")[0].lower(): line.partition(b": ")[2] for line in lines[1:]},
+            len(lines),
+        )
+        for lines, _ in seen
+    ]
+    for number, (request_line, fields, count) in enumerate(heads):
+        assert request_line == b"POST /v1/completions HTTP/1.1"
+        assert count == len(fields) + 1  # no header twice
+        assert fields[b"authorization"] == b"Bearer sk-test"
+        assert fields[b"host"].startswith(b"127.0.0.1:")
+        assert fields[b"content-type"] == b"application/json"
+        assert fields[b"content-length"] == b"%d" % len(seen[number][1])
+        assert (b"x-narwhal-fence" in fields) == (number >= 1)
+    assert heads[0][1][b"accept"] == b"text/event-stream"
+    assert heads[0][1][b"x-request-id"] == b"r-1"
+    assert heads[1][1][b"x-request-id"] == b"r-2"
+    assert heads[1][1][b"x-narwhal-fence"] == b"7"
+    assert heads[2][1][b"accept"] == b"application/json"
+    assert heads[2][1][b"x-narwhal-fence"] == b"7"

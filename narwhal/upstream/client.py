@@ -29,7 +29,7 @@ from narwhal.errors import (
 from narwhal.protocol.chunks import ChunkFacts, inspect_chunk
 from narwhal.protocol.sse import DONE, SSEDecoder
 from narwhal.scheduling.health import FailureKind
-from narwhal.upstream.transport import EngineTransport, OneShotBody
+from narwhal.upstream.transport import EngineTransport, OneShotBody, request_head
 
 __all__ = [
     "FENCE_HEADER",
@@ -55,6 +55,16 @@ MAX_EVENT_BYTES = 4 * 1024 * 1024  # an engine event (SSE block) longer than thi
 MAX_WHOLE_BYTES = 64 * 1024 * 1024  # a non-streaming answer longer than this is malformed
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+
+
+class _StreamHead(NamedTuple):
+    """A route's stream request head: the request that names it (method and URL, for the
+    response and exceptions), its lines (:func:`request_head`) and its header names."""
+
+    request: httpx.Request
+    lines: bytes
+    names: frozenset[bytes]
 
 
 class ChunkEvent(NamedTuple):
@@ -152,6 +162,16 @@ class EngineClient:
         self._transport = transport
         self._urls: dict[str, httpx.URL] = {}
         self._urls_base: httpx.URL | None = None
+        # Narwhal's own transport is handed each stream's request framed already, from a head
+        # made once per route (the client's headers, then ours), and a request made once to
+        # name it: no httpx.Request per stream.
+        self._framer = (
+            transport
+            if isinstance(transport, EngineTransport) and engine.url.startswith("http://")
+            else None
+        )
+        self._heads: dict[str, _StreamHead] = {}
+        self._heads_base: httpx.URL | None = None
 
     def _url(self, route: Literal["chat", "completions"]) -> httpx.URL:
         """The route's URL on the client's base URL, merged once per base URL."""
@@ -172,6 +192,50 @@ class EngineClient:
         fencing token (:mod:`narwhal.control.lease`), in the client's own headers, so that no
         request pays for it."""
         self.http.headers[FENCE_HEADER] = str(token)
+        self._heads = {}  # made again with the token
+
+    def _stream_head(self, route: Literal["chat", "completions"]) -> _StreamHead:
+        """The route's stream request head, made once per base URL and set of client headers
+        (only :meth:`set_fence` changes them once the client exists)."""
+        base = self.http.base_url
+        if base is not self._heads_base:
+            self._heads = {}
+            self._heads_base = base
+        head = self._heads.get(route)
+        if head is None:
+            merged = [
+                (name, value)
+                for name, value in self.http.headers.items()
+                if name not in _STREAM_HEADERS
+            ]
+            request = httpx.Request(
+                "POST", self._url(route), headers=[*merged, *_STREAM_HEADERS.items()]
+            )
+            names = frozenset(name.lower() for name, _ in request.headers.raw)
+            head = _StreamHead(request, request_head(request), names)
+            self._heads[route] = head
+        return head
+
+    def _framed(
+        self, route: Literal["chat", "completions"], body: bytes, headers: Mapping[str, str]
+    ) -> tuple[httpx.Request, bytes] | None:
+        """``body``'s whole request and the request that names it, where the route's head and
+        ``headers`` (plain ASCII, names the head does not have) make one; else ``None``."""
+        head = self._stream_head(route)
+        extra = b""
+        for name, value in headers.items():
+            if not (name.isascii() and value.isascii()) or "\r" in value or "\n" in value:
+                return None
+            encoded = name.encode().lower()
+            if encoded in head.names or b"\r" in encoded or b"\n" in encoded:
+                return None
+            extra += encoded + b": " + value.encode() + b"\r\n"
+        return head.request, b"%b%bContent-Length: %d\r\n\r\n%b" % (
+            head.lines,
+            extra,
+            len(body),
+            body,
+        )
 
     async def open_stream(
         self,
@@ -191,31 +255,15 @@ class EngineClient:
             EngineResponseError: the engine broke HTTP/1.1 (``malformed_engine_response``).
             EngineRejectedRequest: the engine answered 4xx (normalised envelope).
         """
-        own = {
-            "content-type": "application/json",
-            "accept": "text/event-stream",
-            "content-length": str(len(body)),
-        } | dict(headers or {})
-        request_id = own.get("x-request-id", "-")
+        headers = headers or {}
+        request_id = headers.get("x-request-id", "-")
         try:
-            if self._transport is None:
-                request = self.http.build_request(
-                    "POST", _PATHS[route], content=OneShotBody(body), headers=own
-                )
-                response = await self.http.send(request, stream=True)
+            framed = None if self._framer is None else self._framed(route, body, headers)
+            if framed is not None:
+                assert self._framer is not None
+                response = await self._framer.send_prepared(*framed)
             else:
-                # The client's headers (the key, the fence, httpx's defaults), ours winning.
-                merged = [
-                    (name, value) for name, value in self.http.headers.items() if name not in own
-                ]
-                request = httpx.Request(
-                    "POST",
-                    self._url(route),
-                    headers=[*merged, *own.items()],
-                    content=OneShotBody(body),  # the prompt is not kept for the stream's life
-                )
-                response = await self._transport.handle_async_request(request)
-                response.request = request
+                response = await self._send_stream_request(route, body, headers)
         except httpx.HTTPError as exc:
             raise transport_error(self.engine.name, exc, f"request {request_id}") from exc
         if response.status_code >= 400:
@@ -229,6 +277,29 @@ class EngineClient:
         return UpstreamStream(
             self.engine.name, response, route, ids_required=ids_required, request_id=request_id
         )
+
+    async def _send_stream_request(
+        self, route: Literal["chat", "completions"], body: bytes, headers: Mapping[str, str]
+    ) -> httpx.Response:
+        """``open_stream``'s request through httpx's objects: through the client when there is
+        no transport of ours, else straight to the transport."""
+        own = _STREAM_HEADERS | {"content-length": str(len(body))} | dict(headers)
+        if self._transport is None:
+            request = self.http.build_request(
+                "POST", _PATHS[route], content=OneShotBody(body), headers=own
+            )
+            return await self.http.send(request, stream=True)
+        # The client's headers (the key, the fence, httpx's defaults), ours winning.
+        merged = [(name, value) for name, value in self.http.headers.items() if name not in own]
+        request = httpx.Request(
+            "POST",
+            self._url(route),
+            headers=[*merged, *own.items()],
+            content=OneShotBody(body),  # the prompt is not kept for the stream's life
+        )
+        response = await self._transport.handle_async_request(request)
+        response.request = request
+        return response
 
     async def post_whole(
         self,
