@@ -29,7 +29,12 @@ from narwhal.errors import (
 from narwhal.protocol.chunks import ChunkFacts, inspect_chunk
 from narwhal.protocol.sse import DONE, SSEDecoder
 from narwhal.scheduling.health import FailureKind
-from narwhal.upstream.transport import EngineTransport, OneShotBody, request_head
+from narwhal.upstream.transport import (
+    EngineTransport,
+    OneShotBody,
+    StreamResponse,
+    request_head,
+)
 
 __all__ = [
     "FENCE_HEADER",
@@ -257,6 +262,7 @@ class EngineClient:
         """
         headers = headers or {}
         request_id = headers.get("x-request-id", "-")
+        response: httpx.Response | StreamResponse
         try:
             framed = None if self._framer is None else self._framed(route, body, headers)
             if framed is not None:
@@ -517,7 +523,7 @@ class UpstreamStream:
     def __init__(
         self,
         engine: str,
-        response: httpx.Response,
+        response: httpx.Response | StreamResponse,
         route: Literal["chat", "completions"],
         *,
         ids_required: bool,

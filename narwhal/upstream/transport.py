@@ -48,7 +48,14 @@ import trio
 
 from narwhal.sockets import SocketStream
 
-__all__ = ["ChunkedDecoder", "EngineTransport", "OneShotBody", "read_once", "request_head"]
+__all__ = [
+    "ChunkedDecoder",
+    "EngineTransport",
+    "OneShotBody",
+    "StreamResponse",
+    "read_once",
+    "request_head",
+]
 
 _MAX_HEAD_BYTES = 65536  # a response head (or a chunked body's trailers) longer is an error
 _MAX_CHUNK_LINE = 1024  # a chunk's size line, extensions included
@@ -136,15 +143,17 @@ class EngineTransport(httpx.AsyncBaseTransport):
                 f"EngineTransport serves http:// only, not {request.url.scheme}://",
                 request=request,
             )
-        return await self.send_prepared(request, _request_bytes(request, await read_once(request)))
+        payload = _request_bytes(request, await read_once(request))
+        return (await self.send_prepared(request, payload)).as_httpx()
 
-    async def send_prepared(self, request: httpx.Request, payload: bytes) -> httpx.Response:
+    async def send_prepared(self, request: httpx.Request, payload: bytes) -> StreamResponse:
         """Send ``payload``, a whole request already framed for ``request``'s method and URL
         (which the response and every exception name; its own body is not read), and return
-        the response as :meth:`handle_async_request` does.
+        the response's head and body stream.
 
         The engine client frames its streams' requests itself, from a head made once per route
-        (:func:`request_head`): cheaper than an ``httpx.Request`` per stream.
+        (:func:`request_head`), and reads the body's stream itself: cheaper than an
+        ``httpx.Request`` and an ``httpx.Response`` per stream.
         """
         try:
             self._slots.acquire_nowait()  # nearly always: no scope, no trip through the loop
@@ -162,13 +171,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
         except BaseException:
             await lease.end(reuse=False)
             raise
-        return httpx.Response(
-            head.status_code,
-            headers=head.headers.raw_items(),
-            stream=body,
-            request=request,
-            extensions={"http_version": b"HTTP/" + head.http_version},
-        )
+        return StreamResponse(request, head, body)
 
     async def _exchange(
         self, lease: _Lease, request: httpx.Request, payload: bytes
@@ -341,6 +344,44 @@ def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
     if body or request.method in ("POST", "PUT", "PATCH"):
         head += b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
     return head + b"\r\n" + body
+
+
+class StreamResponse:
+    """A response's head and its body stream, as :meth:`EngineTransport.send_prepared` gives
+    them: what a stream reads, without an ``httpx.Response`` (its headers, cookies and
+    extensions) until one is asked for.
+
+    Attributes:
+        status_code: the response's status.
+        stream: the body, decoded from its framing (not from a content coding) as it arrives.
+    """
+
+    __slots__ = ("_head", "_request", "status_code", "stream")
+
+    def __init__(self, request: httpx.Request, head: h11.Response, stream: _Body) -> None:
+        self._request = request
+        self._head = head
+        self.status_code = head.status_code
+        self.stream = stream
+
+    def as_httpx(self) -> httpx.Response:
+        """The same response as an ``httpx.Response`` (its body not yet read)."""
+        head = self._head
+        return httpx.Response(
+            head.status_code,
+            headers=head.headers.raw_items(),
+            stream=self.stream,
+            request=self._request,
+            extensions={"http_version": b"HTTP/" + head.http_version},
+        )
+
+    async def aread(self) -> bytes:
+        """The whole body, decoded as httpx does (a content coding included)."""
+        return await self.as_httpx().aread()
+
+    async def aclose(self) -> None:
+        """Close the body: a body not read to its end closes its connection."""
+        await self.stream.aclose()
 
 
 class _Lease:
