@@ -3,6 +3,7 @@ error with its pool slot given back; the stream requests the engine client frame
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -11,8 +12,9 @@ import pytest
 import trio
 
 from narwhal.config import EngineConfig, UpstreamConfig
+from narwhal.sockets import SocketStream
 from narwhal.upstream.client import EngineClient
-from narwhal.upstream.transport import EngineTransport
+from narwhal.upstream.transport import EngineTransport, _Connection, _ReadWatch
 
 Handler = Callable[[trio.SocketStream, int], Awaitable[None]]
 
@@ -417,3 +419,80 @@ async def test_a_stream_request_carries_the_client_headers_ours_and_the_callers(
     assert heads[1][1][b"x-narwhal-fence"] == b"7"
     assert heads[2][1][b"accept"] == b"application/json"
     assert heads[2][1][b"x-narwhal-fence"] == b"7"
+
+
+async def test_reads_that_wait_time_out_at_their_own_deadlines_exactly(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Virtual time: each stream's silence is timed from its own read (one task keeps every
+    deadline); a stream whose gaps stay under the read timeout is never cut; a connection
+    that timed out is not reused."""
+    gaps = {1: [], 2: [3.0], 3: [4.9, 4.9, 4.9]}  # after the first chunk; then 1, 2 stall
+
+    async def engine(stream: trio.SocketStream, number: int) -> None:
+        await read_request(stream)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n")
+        for gap in gaps[number]:
+            await trio.sleep(gap)
+            await stream.send_all(b"2\r\ncd\r\n")
+        if number == 3:
+            await stream.send_all(b"0\r\n\r\n")
+        await trio.sleep_forever()
+
+    url, connections = await serve(nursery, engine)
+    outcomes: dict[int, tuple[str, object]] = {}
+
+    async def read(http: httpx.AsyncClient, number: int, start: float) -> None:
+        await trio.sleep_until(start)
+        try:
+            async with http.stream("GET", f"/{number}") as response:
+                async for _ in response.aiter_raw():
+                    pass
+        except httpx.ReadTimeout:
+            outcomes[number] = ("timed out", trio.current_time() - t0)
+        else:
+            outcomes[number] = ("complete", trio.current_time() - t0)
+
+    t0 = trio.current_time()
+    with trio.fail_after(60):  # virtual seconds
+        async with client(url, read_s=5.0) as http, trio.open_nursery() as readers:
+            # One at a time onto a fresh connection each: connection n serves stream n.
+            for number, start in ((1, 0.0), (2, 1.0), (3, 2.0)):
+                readers.start_soon(read, http, number, t0 + start)
+                await trio.sleep_until(t0 + start + 0.001)
+    assert outcomes == {
+        1: ("timed out", pytest.approx(5.0)),
+        2: ("timed out", pytest.approx(1.0 + 3.0 + 5.0)),
+        3: ("complete", pytest.approx(2.0 + 3 * 4.9)),
+    }
+    assert len(connections) == 3
+
+
+async def test_a_read_with_an_earlier_deadline_than_the_one_watched_still_times_out_on_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The watch sleeps until the earliest deadline: a later read with a shorter timeout wakes
+    it to sleep less."""
+    watch = _ReadWatch()
+    pairs = [socket.socketpair() for _ in range(2)]
+    long, short = (_Connection(SocketStream(ours), watch) for ours, _ in pairs)
+    request = httpx.Request("GET", "http://engine/")
+    ended: dict[str, float] = {}
+    t0 = trio.current_time()
+
+    async def read(name: str, connection: _Connection, read_s: float) -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            await connection.receive(read_s, request)
+        ended[name] = trio.current_time() - t0
+
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as readers:
+                readers.start_soon(read, "long", long, 10.0)
+                await trio.sleep(1.0)
+                readers.start_soon(read, "short", short, 2.0)
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+    assert ended == {"long": pytest.approx(10.0), "short": pytest.approx(3.0)}

@@ -67,12 +67,15 @@ _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[^\r\n]*)?[ \t]*")
 class _Connection:
     """A socket, with the bytes received past the end of the last response head."""
 
-    __slots__ = ("buffer", "received", "stream")
+    __slots__ = ("buffer", "deadline", "received", "stream", "timed_out", "watch")
 
-    def __init__(self, stream: SocketStream) -> None:
+    def __init__(self, stream: SocketStream, watch: _ReadWatch) -> None:
         self.stream = stream
+        self.watch = watch
         self.buffer = b""
         self.received = False  # whether any byte of the current response has arrived
+        self.deadline = math.inf  # of the read that waits, while one does
+        self.timed_out = False  # the watch ended that read
 
     def peer_closed(self) -> bool:
         """An idle connection with something to read has been closed (or broken) by the peer."""
@@ -93,15 +96,22 @@ class _Connection:
             await trio.lowlevel.checkpoint_if_cancelled()
             data = stream.receive_nowait(_READ_SIZE)
             if data is None:
-                # Only a read that waits needs its deadline: a bare cancel scope (fail_after's
-                # context-manager wrapper costs more than the scope itself).
-                scope = trio.CancelScope(deadline=trio.current_time() + read_s)
-                with scope:
+                # Only a read that waits has a deadline, kept by the transport's watch rather
+                # than by a cancel scope of its own (the scope was a third of its CPU).
+                watch = self.watch
+                watch.begin(self, trio.current_time() + read_s)
+                try:
                     while data is None:
                         await stream.wait_readable()
                         data = stream.receive_nowait(_READ_SIZE)
-                if data is None:  # the scope's deadline passed
-                    raise httpx.ReadTimeout("the engine sent nothing in time", request=request)
+                except trio.ClosedResourceError:
+                    if self.timed_out:
+                        raise httpx.ReadTimeout(
+                            "the engine sent nothing in time", request=request
+                        ) from None
+                    raise
+                finally:
+                    watch.end(self)
             else:
                 await stream.yield_if_due()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -113,6 +123,70 @@ class _Connection:
     async def close(self) -> None:
         with trio.CancelScope(shield=True):
             await self.stream.aclose()
+
+
+class _ReadWatch:
+    """The deadlines of a transport's reads that wait, kept by one task.
+
+    A read that has to wait says so (:meth:`begin`, with its deadline) and when it is over
+    (:meth:`end`): a set's add and discard, where a cancel scope of its own, entered and left
+    once per waiting read (nearly every read of a token stream), cost more than the read's
+    system call and its wait together. One task, started by the first wait of a Trio run and
+    gone once nothing waits, sleeps until the earliest deadline; a read whose deadline passes
+    is woken as its socket closing would wake it (``notify_closing``) and raises
+    :class:`httpx.ReadTimeout`, at its deadline exactly. A timed-out connection is never reused
+    (a failed read ends its lease without reuse).
+    """
+
+    __slots__ = ("_running", "_sleep", "_target", "_waiting")
+
+    def __init__(self) -> None:
+        self._waiting: set[_Connection] = set()
+        self._running = False
+        self._target = math.inf  # the deadline the task sleeps until
+        self._sleep: trio.CancelScope | None = None
+
+    def begin(self, connection: _Connection, deadline: float) -> None:
+        """``connection``'s read waits, until ``deadline`` at the latest."""
+        connection.deadline = deadline
+        connection.timed_out = False
+        self._waiting.add(connection)
+        if not self._running:
+            self._running = True
+            trio.lowlevel.spawn_system_task(self._watch, name="narwhal engine read deadlines")
+        elif deadline < self._target and self._sleep is not None:
+            self._sleep.cancel()  # an earlier deadline than the one slept to
+
+    def end(self, connection: _Connection) -> None:
+        """``connection``'s read is over (its data came, it failed, or it was cancelled)."""
+        self._waiting.discard(connection)
+        connection.timed_out = False
+
+    async def _watch(self) -> None:
+        # A system task: it must not raise (but the run's end cancelling it).
+        try:
+            while self._waiting:
+                now = trio.current_time()
+                target = math.inf
+                for connection in list(self._waiting):
+                    if connection.deadline <= now:
+                        self._waiting.discard(connection)
+                        connection.timed_out = True
+                        sock = connection.stream.socket
+                        if sock.fileno() != -1:
+                            trio.lowlevel.notify_closing(sock)
+                    else:
+                        target = min(target, connection.deadline)
+                if not self._waiting:
+                    break
+                self._target = target
+                with trio.CancelScope(deadline=target) as self._sleep:
+                    await trio.sleep_forever()
+                self._sleep = None
+        finally:
+            self._running = False
+            self._target = math.inf
+            self._sleep = None
 
 
 class EngineTransport(httpx.AsyncBaseTransport):
@@ -130,6 +204,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
         self._read_s = _seconds(timeout.read)
         self._pool_s = _seconds(timeout.pool)
         self._closed = False
+        self._watch = _ReadWatch()
 
     async def aclose(self) -> None:
         self._closed = True
@@ -205,7 +280,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectTimeout(f"connecting to {url.host}:{port}", request=request) from exc
         except OSError as exc:
             raise httpx.ConnectError(str(exc), request=request) from exc
-        return _Connection(SocketStream.adopt(stream))
+        return _Connection(SocketStream.adopt(stream), self._watch)
 
     async def _send(
         self, connection: _Connection, request: httpx.Request, payload: bytes
