@@ -24,7 +24,7 @@ CPU, and a Trio send and receive pair costs several times the system calls thems
 
 The synchronous halves (:meth:`SocketStream.send_nowait`, :meth:`SocketStream.receive_nowait`)
 let a caller skip even the scopes it would otherwise need around an ``await``: the client
-connection's write lock and shield (``narwhal.web.http11``), the engine read's deadline scope
+connection's write lock and shield (``narwhal.web.http11``), the engine read's deadline
 (``narwhal.upstream.transport``), which are needed only when the call has to wait.
 """
 

@@ -10,7 +10,8 @@ request.
 
 This transport does only what engines need, over sockets whose calls it makes itself
 (:mod:`narwhal.sockets`: a read the kernel completes at once is not a trip through Trio's
-scheduler, and only a read that waits has a deadline scope):
+scheduler, and only a read that waits has a deadline, kept by one task per transport rather
+than by a cancel scope per read: :class:`_ReadWatch`):
 
 * a last-in-first-out pool of keep-alive connections (the most recently used, warmest
   connection is reused; only the connection taken is checked for a close by the peer);
@@ -97,7 +98,7 @@ class _Connection:
             data = stream.receive_nowait(_READ_SIZE)
             if data is None:
                 # Only a read that waits has a deadline, kept by the transport's watch rather
-                # than by a cancel scope of its own (the scope was a third of its CPU).
+                # than by a cancel scope of its own (which cost more than the read and its wait).
                 watch = self.watch
                 watch.begin(self, trio.current_time() + read_s)
                 try:
