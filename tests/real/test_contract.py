@@ -7,6 +7,7 @@ Every case is one line of :data:`CASES`; each is sent straight to a real vLLM an
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -216,11 +217,14 @@ def sdk_error(case: Case, exc: openai.APIError) -> dict[str, Any]:
 
 
 @pytest.fixture
-def sdk_clients(vllm_url: str, narwhal_url: str) -> tuple[openai.OpenAI, openai.OpenAI]:
-    return (
-        openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", max_retries=2),
-        openai.OpenAI(base_url=f"{narwhal_url}/v1", api_key="unused", max_retries=2),
-    )
+def sdk_clients(vllm_url: str, narwhal_url: str) -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
+    # Closed at the end: a client left to the garbage collector leaves its keep-alive sockets
+    # to it, and their ResourceWarning fails whichever later test is running when it collects.
+    with (
+        openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", max_retries=2) as to_vllm,
+        openai.OpenAI(base_url=f"{narwhal_url}/v1", api_key="unused", max_retries=2) as routed,
+    ):
+        yield to_vllm, routed
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
