@@ -289,6 +289,13 @@ class LatencySummary:
 
 # -- the Trio shell -----------------------------------------------------------------------------
 
+#: Longest a client's connection is kept idle for reuse. A server may close an idle keep-alive
+#: connection (Narwhal after ``serving.header_timeout_s``, 10 s by default), and a request sent
+#: on it as it closes fails (httpx: ``RemoteProtocolError``, not retried, since a POST is not
+#: idempotent). Real clients stay below such limits: 5 s is httpx's default, and so the openai
+#: client's.
+KEEPALIVE_S = 5.0
+
 
 def single_connection_client(
     *, timeout_s: float = 60.0, verify: ssl.SSLContext | bool = True
@@ -301,7 +308,9 @@ def single_connection_client(
     """
     return httpx.AsyncClient(
         verify=verify,
-        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=60.0),
+        limits=httpx.Limits(
+            max_connections=1, max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_S
+        ),
         timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
         trust_env=False,
     )
@@ -315,7 +324,8 @@ class ClientPool:
     flight that walk was half of the load generator's CPU, CPU that on a shared machine is taken
     from the servers being measured. A client that holds one connection and serves one request
     at a time makes the walk trivial. The most recently returned client is lent first, so in a
-    closed loop exactly ``concurrency`` connections are opened (during warm-up) and stay warm.
+    closed loop exactly ``concurrency`` connections are opened (during warm-up) and stay warm;
+    :meth:`drop_stale` closes those left idle too long to be reused safely.
 
     Args:
         factory: makes a new client (tests pass one over a mock transport).
@@ -334,6 +344,7 @@ class ClientPool:
         self._factory = factory
         self._idle: list[httpx.AsyncClient] = []
         self._all: list[httpx.AsyncClient] = []
+        self._returned_at: dict[httpx.AsyncClient, float] = {}
 
     @property
     def size(self) -> int:
@@ -351,10 +362,27 @@ class ClientPool:
             return await send_one(client, url, body, index)
         finally:
             self._idle.append(client)
+            self._returned_at[client] = trio.current_time()
+
+    async def drop_stale(self, idle_s: float = KEEPALIVE_S) -> int:
+        """Close the idle clients returned more than ``idle_s`` ago (their connections would
+        not be reused: see :data:`KEEPALIVE_S`); return how many."""
+        oldest = trio.current_time() - idle_s
+        stale = [client for client in self._idle if self._returned_at[client] < oldest]
+        if not stale:
+            return 0
+        gone = set(stale)
+        self._idle = [client for client in self._idle if client not in gone]
+        self._all = [client for client in self._all if client not in gone]
+        for client in stale:
+            del self._returned_at[client]
+            await client.aclose()
+        return len(stale)
 
     async def aclose(self) -> None:
         """Close every client."""
         clients, self._all, self._idle = self._all, [], []
+        self._returned_at.clear()
         for client in clients:
             await client.aclose()
 

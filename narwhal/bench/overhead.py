@@ -87,8 +87,8 @@ class Level:
     requests: int
 
 
-DEFAULT_LEVELS = (Level(1, 400), Level(16, 1600), Level(64, 1600))
-QUICK_LEVELS = (Level(1, 60), Level(16, 160), Level(64, 256))
+DEFAULT_LEVELS = (Level(1, 400), Level(16, 1600), Level(64, 1600), Level(256, 1024))
+QUICK_LEVELS = (Level(1, 60), Level(16, 160), Level(64, 256), Level(256, 512))
 
 
 @attrs.frozen
@@ -136,7 +136,7 @@ class OverheadSettings:
     request_timeout_s: float = 60.0
     startup_timeout_s: float = 60.0
     log_dir: Path | None = None
-    ttft_bound_s: float = 0.002
+    ttft_bound_s: float = 0.001
     workers: tuple[int, ...] | None = None
     floor: bool = False
 
@@ -198,9 +198,12 @@ def narwhal_config_text(
     """Narwhal's TOML for the run: ``base``'s settings with one engine (and
     ``serving.workers`` = ``workers`` when given).
 
-    Without ``base``, the defaults with the per-engine phase limits lifted: a zero-delay engine
-    has no capacity to protect, and this benchmark measures the relay, not admission queueing
-    (predictive admission still runs and is part of the cost measured).
+    Without ``base``, the defaults with the per-engine phase limits lifted and admission in
+    ``shadow`` mode: a zero-delay engine has no capacity to protect, and this benchmark
+    measures the relay, not admission queueing. Shadow mode computes everything predictive
+    admission does (the projection, the would-be refusal, the learning), so its cost is
+    measured, and refuses nothing: on a CPU-starved machine the router's own delays read as
+    engine waits, and predictive refusals would leave a level with nothing to compare.
 
     Raises:
         narwhal.config.ConfigError: ``base`` is not a valid configuration.
@@ -209,7 +212,9 @@ def narwhal_config_text(
         config = load_config(base)
     else:
         config = Config(
-            admission=AdmissionConfig(prefill_concurrency=4096, decode_concurrency=4096)
+            admission=AdmissionConfig(
+                mode="shadow", prefill_concurrency=4096, decode_concurrency=4096
+            )
         )
     serving = attrs.evolve(config.serving, model=model)
     if workers is not None:
@@ -389,13 +394,24 @@ async def _measure_level(
     for round_number, share in enumerate(shares):
         turn = round_number % len(targets)
         for target in targets[turn:] + targets[:turn]:
+            pool = pools[target.name]
+            if await pool.drop_stale():
+                # The other targets' rounds left these connections idle past reuse: open new
+                # ones before the round, so that no measured request pays for a connection.
+                await load.run_closed_loop(
+                    pool,
+                    target.url + "/v1/chat/completions",
+                    body_for,
+                    concurrency=concurrency,
+                    requests=concurrency,
+                )
             tally = tallies[target.name]
             cpu_before = target.cpu_seconds()
             split_before = target.cpu_split() if target.workers is not None else None
             engine_before = None if engine is None else engine.cpu_seconds()
             started, loadgen_before = time.perf_counter(), time.process_time()
             tally.records += await load.run_closed_loop(
-                pools[target.name],
+                pool,
                 target.url + "/v1/chat/completions",
                 body_for,
                 concurrency=concurrency,

@@ -324,40 +324,106 @@ class Check:
         return attrs.asdict(self)
 
 
-def evaluate_checks(
-    levels: Iterable[LevelReport], *, ttft_bound_s: float = 0.002, error_free_at: int = 64
-) -> tuple[Check, ...]:
-    """Narwhal's added p50 TTFT at c=1 within ``ttft_bound_s``; no Narwhal errors at
-    c=``error_free_at``. A check whose level or target did not run is ``NOT RUN``."""
-    by_concurrency = {level.concurrency: level for level in levels}
-    bound_ms = ttft_bound_s * 1000
-    ttft_name = f"narwhal added p50 TTFT <= {bound_ms:g} ms at c=1"
-    errors_name = f"narwhal zero errors at c={error_free_at}"
+#: The levels of SPEC.md's bar: Narwhal's added latency against vllm-router's is judged at
+#: these, its CPU per request at :data:`CPU_LEVELS` (and at any other level measured).
+SIDE_BY_SIDE_LEVELS = (16, 64)
+CPU_LEVELS = (1, 16, 64)
+#: Where Narwhal must answer every request.
+ERROR_FREE_LEVELS = (64, 256)
 
-    level = by_concurrency.get(1)
+
+def evaluate_checks(
+    levels: Iterable[LevelReport],
+    *,
+    ttft_bound_s: float = 0.001,
+    p50_margin_s: float = 0.002,
+    p99_margin_s: float = 0.010,
+    cpu_ratio: float = 2.0,
+) -> tuple[Check, ...]:
+    """SPEC.md's bar for the relay, each target a check: Narwhal's added p50 TTFT at c=1
+    within ``ttft_bound_s``; at c=16 and c=64 its added p50 and p99 TTFT within
+    vllm-router's plus ``p50_margin_s`` and ``p99_margin_s``; its CPU per request at most
+    ``cpu_ratio`` times vllm-router's at c=1, 16 and 64 (and at every other level measured);
+    and no Narwhal errors at c=64 and c=256. A check whose level or target did not run is
+    ``NOT RUN``."""
+    by_concurrency = {level.concurrency: level for level in levels}
+    checks = [_ttft_check(by_concurrency.get(1), ttft_bound_s)]
+    for concurrency in SIDE_BY_SIDE_LEVELS:
+        level = by_concurrency.get(concurrency)
+        checks.append(_side_by_side_check(level, concurrency, "p50", p50_margin_s))
+        checks.append(_side_by_side_check(level, concurrency, "p99", p99_margin_s))
+    cpu_levels = sorted(set(CPU_LEVELS) | set(by_concurrency))
+    checks += [_cpu_check(by_concurrency.get(c), c, cpu_ratio) for c in cpu_levels]
+    checks += [_errors_check(by_concurrency.get(c), c) for c in ERROR_FREE_LEVELS]
+    return tuple(checks)
+
+
+def _ttft_check(level: LevelReport | None, bound_s: float) -> Check:
+    name = f"narwhal added p50 TTFT <= {bound_s * 1000:g} ms at c=1"
     added = level.added(NARWHAL) if level is not None else None
     if added is None or added.ttft_p50_s is None:
-        ttft = Check(ttft_name, "NOT RUN", "c=1 with narwhal and the direct path was not measured")
-    else:
-        ttft = Check(
-            ttft_name,
-            "PASS" if added.ttft_p50_s <= ttft_bound_s else "FAIL",
-            f"measured {added.ttft_p50_s * 1000:.2f} ms",
-        )
+        return Check(name, "NOT RUN", "c=1 with narwhal and the direct path was not measured")
+    return Check(
+        name,
+        "PASS" if added.ttft_p50_s <= bound_s else "FAIL",
+        f"measured {added.ttft_p50_s * 1000:.2f} ms",
+    )
 
-    level = by_concurrency.get(error_free_at)
+
+def _side_by_side_check(
+    level: LevelReport | None, concurrency: int, percentile: str, margin_s: float
+) -> Check:
+    name = (
+        f"narwhal added {percentile} TTFT <= vllm-router's + {margin_s * 1000:g} ms"
+        f" at c={concurrency}"
+    )
+    field = f"ttft_{percentile}_s"
+    ours = level.added(NARWHAL) if level is not None else None
+    theirs = level.added(VLLM_ROUTER) if level is not None else None
+    mine = None if ours is None else getattr(ours, field)
+    other = None if theirs is None else getattr(theirs, field)
+    if mine is None or other is None:
+        return Check(
+            name,
+            "NOT RUN",
+            f"c={concurrency} with narwhal, vllm-router and the direct path was not measured",
+        )
+    return Check(
+        name,
+        "PASS" if mine <= other + margin_s else "FAIL",
+        f"narwhal {mine * 1000:+.2f} ms, vllm-router {other * 1000:+.2f} ms",
+    )
+
+
+def _cpu_check(level: LevelReport | None, concurrency: int, most: float) -> Check:
+    name = f"narwhal CPU per request <= {most:g}x vllm-router's at c={concurrency}"
+    ours = level.result(NARWHAL) if level is not None else None
+    theirs = level.result(VLLM_ROUTER) if level is not None else None
+    mine = None if ours is None else ours.cpu_s_per_1k
+    other = None if theirs is None else theirs.cpu_s_per_1k
+    measured = ratio(mine, other)
+    if mine is None or other is None or measured is None:
+        return Check(
+            name, "NOT RUN", f"c={concurrency}: the CPU of narwhal and vllm-router was not measured"
+        )
+    return Check(
+        name,
+        "PASS" if measured <= most else "FAIL",
+        f"{mine:.2f} / {other:.2f} s per 1k requests ({measured:.2f}x)",
+    )
+
+
+def _errors_check(level: LevelReport | None, concurrency: int) -> Check:
+    name = f"narwhal zero errors at c={concurrency}"
     result = level.result(NARWHAL) if level is not None else None
     if result is None:
-        errors = Check(errors_name, "NOT RUN", f"c={error_free_at} with narwhal was not measured")
-    else:
-        kinds = ", ".join(f"{kind} x{count}" for kind, count in result.error_kinds.items())
-        errors = Check(
-            errors_name,
-            "PASS" if result.errors == 0 else "FAIL",
-            f"{result.errors} errors in {result.requests} requests"
-            + (f" ({kinds})" if kinds else ""),
-        )
-    return ttft, errors
+        return Check(name, "NOT RUN", f"c={concurrency} with narwhal was not measured")
+    kinds = ", ".join(f"{kind} x{count}" for kind, count in result.error_kinds.items())
+    return Check(
+        name,
+        "PASS" if result.errors == 0 else "FAIL",
+        f"{result.errors} errors in {result.requests} requests" + (f" ({kinds})" if kinds else ""),
+    )
 
 
 @attrs.frozen

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from narwhal.bench.load import (
+    KEEPALIVE_S,
     ClientPool,
     LatencySummary,
     StreamTimer,
@@ -203,6 +204,23 @@ async def test_closed_loop_sends_each_request_once_with_bounded_concurrency(
     assert sorted(engine.seen) == list(range(100, 110))
     assert engine.most_in_flight == 4
     assert all(record.ok and record.output_events == 2 for record in records)
+
+
+async def test_the_pool_drops_clients_left_idle_past_reuse(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = Engine(delay_s=1.0)
+    async with clients_for(engine) as clients:
+        await run_closed_loop(clients, "/x", body, concurrency=3, requests=3)
+        await trio.sleep(KEEPALIVE_S - 1.0)
+        await run_closed_loop(clients, "/x", body, concurrency=1, requests=1)
+        assert clients.size == 3
+        await trio.sleep(1.5)  # two clients idle for KEEPALIVE_S + 1.5 s, one for 1.5 s
+        assert await clients.drop_stale() == 2
+        assert clients.size == 1
+        assert await clients.drop_stale() == 0
+        records = await run_closed_loop(clients, "/x", body, concurrency=3, requests=3)
+        assert clients.size == 3 and all(record.ok for record in records)
 
 
 async def test_closed_loop_records_http_errors() -> None:

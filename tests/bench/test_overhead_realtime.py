@@ -45,5 +45,7 @@ def test_quick_run_through_narwhal_has_no_errors(tmp_path: Path) -> None:
             # 64 tokens, the last the end of sequence (a finish chunk without text).
             assert result["output_events_min"] == result["output_events_max"] == 63
         assert level["targets"]["narwhal"]["cpu_s"] is not None
-    names = [check["name"] for check in report["checks"]]
-    assert names == ["narwhal added p50 TTFT <= 2 ms at c=1", "narwhal zero errors at c=64"]
+    checks = {check["name"]: check["status"] for check in report["checks"]}
+    assert checks["narwhal zero errors at c=64"] == "PASS"
+    assert checks["narwhal zero errors at c=256"] == "NOT RUN"  # not measured here
+    assert report["verdict"] in ("FAIL", "INCOMPLETE")  # vllm-router's checks did not run

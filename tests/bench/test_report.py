@@ -17,6 +17,7 @@ from narwhal.bench.overhead import DEFAULT_LEVELS, Level, narwhal_config_text, s
 from narwhal.bench.report import (
     RATIO_FLOOR_S,
     Added,
+    Check,
     LevelReport,
     OverheadReport,
     TargetResult,
@@ -115,33 +116,85 @@ def test_ratio_is_undefined_for_a_non_positive_denominator() -> None:
     assert Added(None, None, None, None).as_json()["ttft_p50_s"] is None
 
 
-def test_checks_pass_fail_and_not_run() -> None:
-    ttft, errors = evaluate_checks([level(1), level(64)])
-    assert (ttft.status, errors.status) == ("PASS", "PASS")
-    assert ttft.detail == "measured 1.50 ms"
+def statuses(checks: tuple[Check, ...]) -> dict[str, str]:
+    return {check.name: check.status for check in checks}
 
-    ttft, errors = evaluate_checks([level(1), level(64, narwhal_errors=3)], ttft_bound_s=0.001)
-    assert (ttft.status, errors.status) == ("FAIL", "FAIL")
-    assert "3 errors in 6 requests (http_503:x x3)" in errors.detail
 
-    ttft, errors = evaluate_checks([level(16)])
-    assert (ttft.status, errors.status) == ("NOT RUN", "NOT RUN")
+ALL_LEVELS = (1, 16, 64, 256)
+
+
+def test_checks_are_spec_bar_for_the_relay() -> None:
+    # Narwhal adds 1.5 ms at every percentile, vllm-router 0.5 ms; CPU 0.9 s against 0.3 s.
+    checks = evaluate_checks([level(c) for c in ALL_LEVELS], ttft_bound_s=0.002, cpu_ratio=3.5)
+    assert statuses(checks) == {
+        "narwhal added p50 TTFT <= 2 ms at c=1": "PASS",
+        "narwhal added p50 TTFT <= vllm-router's + 2 ms at c=16": "PASS",
+        "narwhal added p99 TTFT <= vllm-router's + 10 ms at c=16": "PASS",
+        "narwhal added p50 TTFT <= vllm-router's + 2 ms at c=64": "PASS",
+        "narwhal added p99 TTFT <= vllm-router's + 10 ms at c=64": "PASS",
+        "narwhal CPU per request <= 3.5x vllm-router's at c=1": "PASS",
+        "narwhal CPU per request <= 3.5x vllm-router's at c=16": "PASS",
+        "narwhal CPU per request <= 3.5x vllm-router's at c=64": "PASS",
+        "narwhal CPU per request <= 3.5x vllm-router's at c=256": "PASS",
+        "narwhal zero errors at c=64": "PASS",
+        "narwhal zero errors at c=256": "PASS",
+    }
+    assert checks[0].detail == "measured 1.50 ms"
+    assert checks[1].detail == "narwhal +1.50 ms, vllm-router +0.50 ms"
+    assert checks[5].detail == "300.00 / 100.00 s per 1k requests (3.00x)"
+
+
+def test_checks_fail_where_the_figures_miss() -> None:
+    levels = [level(1), level(16), level(64), level(256, narwhal_errors=3)]
+    checks = evaluate_checks(levels, p50_margin_s=0.0005)
+    failed = [name for name, status in statuses(checks).items() if status == "FAIL"]
+    assert failed == [
+        "narwhal added p50 TTFT <= 1 ms at c=1",
+        "narwhal added p50 TTFT <= vllm-router's + 0.5 ms at c=16",
+        "narwhal added p50 TTFT <= vllm-router's + 0.5 ms at c=64",
+        "narwhal CPU per request <= 2x vllm-router's at c=1",
+        "narwhal CPU per request <= 2x vllm-router's at c=16",
+        "narwhal CPU per request <= 2x vllm-router's at c=64",
+        "narwhal zero errors at c=256",  # (its CPU, over 6 requests, is 1.5x)
+    ]
+    assert "3 errors in 6 requests (http_503:x x3)" in checks[-1].detail
+
+
+def test_checks_not_run_where_a_level_or_vllm_router_did_not_run() -> None:
+    checks = statuses(evaluate_checks([level(16)]))
+    assert checks["narwhal added p50 TTFT <= 1 ms at c=1"] == "NOT RUN"
+    assert checks["narwhal added p99 TTFT <= vllm-router's + 10 ms at c=64"] == "NOT RUN"
+    assert checks["narwhal CPU per request <= 2x vllm-router's at c=1"] == "NOT RUN"
+    assert checks["narwhal zero errors at c=256"] == "NOT RUN"
+    assert checks["narwhal added p99 TTFT <= vllm-router's + 10 ms at c=16"] == "PASS"
+    without_vllm_router = [
+        LevelReport(c, 2, tuple(r for r in level(c).results if r.target != "vllm-router"))
+        for c in ALL_LEVELS
+    ]
+    checks = statuses(evaluate_checks(without_vllm_router, ttft_bound_s=0.002))
+    assert [name for name, status in checks.items() if status != "NOT RUN"] == [
+        "narwhal added p50 TTFT <= 2 ms at c=1",
+        "narwhal zero errors at c=64",
+        "narwhal zero errors at c=256",
+    ]
 
 
 def test_a_check_not_run_is_not_a_pass() -> None:
-    levels = (level(1),)  # c=64 did not run
+    levels = (level(1),)  # c=16 to c=256 did not run
     report = OverheadReport(
         settings={"output_tokens": 64},
         environment={"cpu_cores": 2},
         levels=levels,
-        checks=evaluate_checks(levels),
+        checks=evaluate_checks(levels, ttft_bound_s=0.002, cpu_ratio=3.5),
     )
     assert report.verdict == "INCOMPLETE" and not report.passed
     assert report.render().endswith("verdict: INCOMPLETE")
     assert "NOT RUN  narwhal zero errors at c=64" in report.render()
     assert report.as_json()["verdict"] == "INCOMPLETE"
-    ran = (level(1), level(64))
-    complete = attrs.evolve(report, levels=ran, checks=evaluate_checks(ran))
+    ran = tuple(level(c) for c in ALL_LEVELS)
+    complete = attrs.evolve(
+        report, levels=ran, checks=evaluate_checks(ran, ttft_bound_s=0.002, cpu_ratio=3.5)
+    )
     assert complete.verdict == "PASS" and complete.passed
 
 
@@ -159,7 +212,7 @@ def test_report_renders_a_table_and_json() -> None:
     assert "share the same 2 CPU cores" in text
     assert "c=64: 4 requests per target in 2 alternating rounds" in text
     assert "narwhal / vllm-router: added TTFT p50 3.00x" in text
-    assert "PASS  narwhal added p50 TTFT <= 2 ms at c=1: measured 1.50 ms" in text
+    assert "FAIL  narwhal added p50 TTFT <= 1 ms at c=1: measured 1.50 ms" in text
     assert "FAIL  narwhal zero errors at c=64" in text
     assert "  narwhal errors: http_503:x x1" in text
     data = orjson.loads(orjson.dumps(report.as_json()))
@@ -185,7 +238,7 @@ def test_parse_levels() -> None:
     assert parse_levels("1,64", None, DEFAULT_LEVELS) == (Level(1, 400), Level(64, 1600))
     assert parse_levels("2", None, DEFAULT_LEVELS) == (Level(2, 400),)  # nearest default
     assert parse_levels("1,16", "50", DEFAULT_LEVELS) == (Level(1, 50), Level(16, 50))
-    assert parse_levels(None, "5,6,7", DEFAULT_LEVELS)[2] == Level(64, 7)
+    assert parse_levels(None, "5,6,7,8", DEFAULT_LEVELS)[2:] == (Level(64, 7), Level(256, 8))
     for concurrency, requests in (("1,x", None), ("0", None), ("1,2", "1,2,3")):
         with pytest.raises(ValueError):
             parse_levels(concurrency, requests, DEFAULT_LEVELS)
@@ -198,6 +251,8 @@ def test_narwhal_config_has_one_engine_and_loads_back(tmp_path: Path) -> None:
     assert [(engine.name, engine.url, engine.dialect) for engine in config.engines] == [
         ("sim", "http://127.0.0.1:9", "vllm")
     ]
+    # Admission's work is measured, and nothing is refused: the relay is what is compared.
+    assert config.admission.mode == "shadow"
     base = tmp_path / "base.toml"
     base.write_text('[admission]\nmode = "open"\n[[engines]]\nname = "x"\nurl = "http://h:1"\n')
     config = config_from_mapping(tomllib.loads(narwhal_config_text("m", "http://e:2", base)))
