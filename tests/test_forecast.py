@@ -174,3 +174,46 @@ def test_a_step_holds_at_most_prefill_limit_prompts() -> None:
     _, joined = shared.place(500, now=0.0)
     _, next_step = limited.place(500, now=0.0)
     assert next_step == pytest.approx(joined + H100.prefill_base_ms / 1000)
+
+
+def _decoding(forecast: PrefillForecast, batch: int, context: int = 1000) -> None:
+    forecast.decoding = batch
+    forecast.decode_context = batch * context
+
+
+def _gap(forecast: PrefillForecast, ratio: float, tokens: int = 16) -> None:
+    """One stream's gap of ``tokens`` tokens at ``ratio`` times the profiled decode step."""
+    step = forecast.decode_step_s(forecast.decoding, forecast.decode_context, scaled=False)
+    forecast.observe_gap(ratio * step * tokens, tokens)
+
+
+def test_the_decode_scale_remembers_seconds_of_steps_not_a_count_of_gaps() -> None:
+    # 256 streams each tell of the same 16 steps: one round of their gaps is 16 steps of the
+    # engine's time, and moves the scale as little as 16 steps' worth, not 256 gaps' worth.
+    large = PrefillForecast(H100)
+    _decoding(large, 256)
+    step = large.decode_step_s(256, large.decode_context, scaled=False)
+    for _ in range(256):
+        _gap(large, 2.0)
+    # Each gap weighs gap / (256 x memory): together, about 16 steps over the memory.
+    moved = large.decode_scale - 1.0
+    assert 0.5 * (16 * 2 * step / 2.0) < moved < 16 * 2 * step / 2.0
+    assert moved < 0.4  # 2 % of the way per gap, as it was, moved it 99 % of the way
+    # One slow step (its long prompt's chunk) seen by every stream once moves it less still.
+    spiky = PrefillForecast(H100)
+    _decoding(spiky, 256)
+    for _ in range(256):
+        _gap(spiky, 2.0, tokens=1)
+    assert spiky.decode_scale - 1.0 < moved / 8
+
+
+def test_a_lone_stream_teaches_the_decode_scale_within_its_memory() -> None:
+    # One stream: each gap is the engine's whole time. A second of gaps at twice the profiled
+    # step moves the scale a good part of the way; two seconds' worth more than half of it.
+    forecast = PrefillForecast(H100)
+    _decoding(forecast, 1)
+    step = forecast.decode_step_s(1, forecast.decode_context, scaled=False)
+    tokens = 16
+    for _ in range(round(2.0 / (2 * step * tokens))):
+        _gap(forecast, 2.0, tokens)
+    assert 1.5 < forecast.decode_scale < 2.0
