@@ -7,6 +7,7 @@ from typing import Any, cast
 import pytest
 
 from narwhal.admission.margin import Ratios, SafetyMargin, WaitFactors
+from narwhal.admission.plan import Plan
 from narwhal.admission.predictor import Projection, project
 from narwhal.admission.queue import Waiter
 from narwhal.config import EngineConfig
@@ -89,9 +90,30 @@ def test_each_request_ahead_takes_the_next_seat() -> None:
     alone = _project(engine, lengths=lengths)
     behind = _project(engine, [_waiter() for _ in range(50)], lengths=lengths)
     tpot = engine.forecast.tpot_s()
-    # The 51st end of 100 uniform lengths over 1..400: about a 51/101 share of 400 tokens.
-    assert behind.wait_s == pytest.approx(51 / 101 * 400 * tpot, rel=0.1)
+    # The 51st end of 100 uniform lengths over 1..400: about a 51/101 share of 400 tokens,
+    # and the steps until then also run the prompts of the 50 placed before it.
+    ahead = 50 * engine.forecast.compute_s(1000)
+    assert behind.wait_s == pytest.approx(51 / 101 * 400 * tpot + ahead, rel=0.1)
     assert behind.wait_s > 10 * alone.wait_s
+
+
+def test_a_seat_frees_later_by_the_prompts_the_steps_before_it_carry() -> None:
+    # A full engine: the first seat frees when a running request ends, and the steps until
+    # then also run the chunks of a long prompt in prefill now, as far as they carry it.
+    lengths = _uniform_lengths()
+    quiet = _engine(decode_limit=100, decoding=100, context=100_000)
+    _running(quiet, 100)
+    busy = _engine(decode_limit=100, decoding=100, context=100_000)
+    _running(busy, 100)
+    busy.forecast.place(30_000, now=0.0)  # in prefill, its seat among the 100
+    calm = Plan([quiet], lengths, now=0.0).engines[0].next_seat()
+    later = Plan([busy], lengths, now=0.0).engines[0].next_seat()
+    steps = calm / quiet.forecast.decode_tpot_s()
+    carried = min(busy.forecast.compute_s(30_000), steps * busy.forecast.step_compute_s())
+    assert 0 < carried < busy.forecast.compute_s(30_000)  # the steps carry part of it
+    # (its prompt will decode too: the batch's steps there are a little longer)
+    decoded = steps * busy.forecast.decode_tpot_s()
+    assert later == pytest.approx(decoded + carried)
 
 
 def test_requests_that_already_ran_long_are_expected_to_run_longer() -> None:

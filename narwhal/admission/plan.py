@@ -12,7 +12,10 @@ A plan replays that rule from what the engines hold now:
 1. **a seat**: each engine holds at most ``decode_concurrency`` requests (in prefill or in
    decode). A seat is free now, or when running requests end. Each running request's remaining
    output is a learned distribution (:mod:`narwhal.scheduling.lengths`, given what it already
-   produced), run at the engine's time per output token; summed over the running requests,
+   produced), run at the engine's decode step (its own speed, without prompt chunks beside
+   it), and the steps until then also carry the prompts placed before (those in prefill now
+   and those the replay places), as far as a step's token budget carries them; summed over
+   the running requests,
    that gives the expected number of seats freed by each time, and the ``k``-th seat is free
    when that number reaches ``k - 1/2`` (with a hundred requests running, the first seat frees
    long before any one of them is expected to end). Each request ahead takes the earliest
@@ -72,7 +75,7 @@ class _Ends:
     __slots__ = ("_freed", "_knots", "_slope", "_taken", "_time", "_tpot_s")
 
     def __init__(self, plan: EnginePlan) -> None:
-        self._tpot_s = tpot = plan.tpot_s
+        self._tpot_s = tpot = plan.decode_tpot_s
         knots: list[tuple[float, int, _Running]] = []  # (next bound's time, tie-breaker, who)
         for number, slot in enumerate(plan.slots):
             start = plan.now
@@ -140,6 +143,7 @@ class EnginePlan:
         "census",
         "compute_free",
         "context",
+        "decode_tpot_s",
         "decoding",
         "engine",
         "forecast",
@@ -148,8 +152,10 @@ class EnginePlan:
         "now",
         "penalty",
         "placed",
+        "prefill_ahead",
         "prefill_free",
         "slots",
+        "step_compute",
         "token_ids",
         "tpot_s",
     )
@@ -168,6 +174,12 @@ class EnginePlan:
         # decode step beside): the wait beyond it depends on the running requests (seat_wait).
         self.compute_free = forecast.pipeline.free_at
         self.tpot_s = forecast.tpot_s()
+        # The running requests' ends are timed by the decode step alone, and a seat frees
+        # that much later for the prompt compute the engine runs first: the prompts in
+        # prefill now and those the replay places, as far as the steps before it carry them.
+        self.decode_tpot_s = forecast.decode_tpot_s()
+        self.prefill_ahead = forecast.pending_compute_s()
+        self.step_compute = forecast.step_compute_s()
         # What one more sequence would decode beside (PrefillForecast.tpot_with, as it is now:
         # the TPOT check does not grow the batch).
         self.batch = forecast.decoding + forecast.in_prefill + 1
@@ -199,12 +211,20 @@ class EnginePlan:
             self._ends = _Ends(self)
         return self._ends
 
+    def _stretched(self, at: float) -> float:
+        """When the decoding batch reaches ``at`` (on the decode step's own time), with the
+        prompt compute ahead run beside it: at most what the steps until then carry."""
+        if at == math.inf or self.prefill_ahead <= 0:
+            return at
+        steps = (at - self.now) / self.decode_tpot_s if self.decode_tpot_s > 0 else math.inf
+        return at + min(self.prefill_ahead, steps * self.step_compute)
+
     def next_seat(self) -> float:
         """When the next seat here is free."""
         if self.free:
             return self.now
         later = self.placed[0] if self.placed else math.inf
-        return min(self.ends.next(), later)
+        return min(self._stretched(self.ends.next()), later)
 
     def _take_seat(self) -> float:
         if self.free:
@@ -213,9 +233,9 @@ class EnginePlan:
         sequences, context = self.decoding
         if sequences:  # the seat is one a decoding request frees: the batch loses it
             self.decoding = (sequences - 1, context - context // sequences)
-        if self.placed and self.placed[0] < self.ends.next():
+        if self.placed and self.placed[0] < self._stretched(self.ends.next()):
             return heapq.heappop(self.placed)
-        return self.ends.take()
+        return self._stretched(self.ends.take())
 
     def placement(self) -> float:
         """When the next request could be placed here: a seat and a prefill slot are free."""
@@ -229,15 +249,10 @@ class EnginePlan:
         compute ahead of it."""
         return max(self.placement(), self.backlog.free_at)
 
-    def _compute_s(self, tokens: int) -> float:
-        """A prompt's own prefill compute here, alone (no step overhead beside it)."""
-        forecast = self.forecast
-        return forecast.profile.prefill_chunk_ms(0, tokens) / 1000 * forecast.scale
-
     def earliest_first_token(self, tokens: int) -> float:
         """A lower bound of :meth:`first_token`: its prefill starts no earlier than
         :meth:`start`, and takes at least its own tokens' compute."""
-        return self.start() + self._compute_s(tokens) + self.forecast.latency_s
+        return self.start() + self.forecast.compute_s(tokens) + self.forecast.latency_s
 
     def seat_wait(self) -> float:
         """How much of the next request's wait here depends on the running requests: how much
@@ -267,7 +282,9 @@ class EnginePlan:
             heapq.heappush(self.prefill_free, at)
             return
         forecast = self.forecast
-        self.compute_free = max(self.now, self.compute_free) + self._compute_s(waiter.prompt_tokens)
+        compute = forecast.compute_s(waiter.prompt_tokens)
+        self.prefill_ahead += compute
+        self.compute_free = max(self.now, self.compute_free) + compute
         self.backlog = forecast.after(waiter.prompt_tokens, at, self.backlog, self.decoding)
         sequences, context = self.decoding
         self.decoding = (sequences + 1, context + waiter.prompt_tokens)  # it decodes next

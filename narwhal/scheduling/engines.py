@@ -489,7 +489,8 @@ class Slot:
         # under prefill load).
         if now is None:
             now = trio.current_time()
-        if engine.prefill == 0 and engine.prefill_seen_at <= now - gap_s:
+        decode_only = engine.prefill == 0 and engine.prefill_seen_at <= now - gap_s
+        if decode_only:
             predicted = forecast.tpot_s() * tokens
             self.gaps_observed_s += gap_s
             self.gaps_predicted_s += predicted
@@ -497,7 +498,7 @@ class Slot:
             # learned at this gap (not at the request's end).
             self.gaps_profiled_s += predicted / engine.learned_decode
             self.gap_tokens += tokens
-        forecast.observe_gap(gap_s, tokens)
+        forecast.observe_gap(gap_s, tokens, decode_only=decode_only)
 
     @property
     def expected_first_token_at(self) -> float:

@@ -97,6 +97,13 @@ class PrefillForecast:
         pending: each placed request still waiting for its first token, by placement key, in
             placement order.
         decode_scale: observed over profiled decode step, learned (1.0: the profile is right).
+            The streams' gaps it is learned from include the prompt chunks their steps carried
+            beside the batch.
+        decode_own_scale: the same without the prompt chunks steps carry beside the batch:
+            the decode step's own speed, which a plan times the seats with, the prefills ahead
+            apart (:meth:`decode_tpot_s`). Measured by profiling, learned from the gaps whose
+            steps only decoded, and never more than ``decode_scale`` (a step that also
+            prefills is not faster).
         decode_slope: how much steeper the decode step grows with the batch than the profile
             says (its per-sequence and per-context-token terms; 1.0: as profiled), from the
             profiling's decode probes at several batch sizes (:meth:`decode_step_s`).
@@ -109,6 +116,7 @@ class PrefillForecast:
     scale: float = 1.0
     latency_s: float = 0.0
     decode_scale: float = 1.0
+    decode_own_scale: float = 1.0
     decode_slope: float = 1.0
     pipeline: Backlog = attrs.field(factory=Backlog)
     step_seen_at: float = -math.inf
@@ -155,6 +163,29 @@ class PrefillForecast:
         context = self.decode_context + sum(p.tokens for p in self.pending.values())
         return self.decode_step_s(batch, context)
 
+    def decode_tpot_s(self) -> float:
+        """The time per output token of the decoding batch as it is now, without the prefill
+        chunks beside it (at ``decode_own_scale``)."""
+        batch = max(1, self.decoding)
+        context = self.decode_context + sum(p.tokens for p in self.pending.values())
+        return self.decode_step_s(batch, context, scaled=False) * self.decode_own_scale
+
+    def compute_s(self, tokens: int) -> float:
+        """A prompt's own prefill compute here, alone (no step beside it), at the learned
+        speed."""
+        return self.profile.prefill_chunk_ms(0, tokens) / 1000 * self.scale
+
+    def pending_compute_s(self) -> float:
+        """The own compute of the prompts placed and still waiting for their first token (all
+        of it: how far a prompt has come is not seen)."""
+        return sum(self.compute_s(placed.tokens) for placed in self.pending.values())
+
+    def step_compute_s(self) -> float:
+        """The most prompt compute one step beside the decoding batch carries: its token
+        budget (``max_num_batched_tokens`` less one per decoding sequence)."""
+        budget = max(1, self.profile.max_num_batched_tokens - self.decoding)
+        return budget * self.profile.prefill_per_token_ms / 1000 * self.scale
+
     def decode_step_s(self, batch: int, context_tokens: int, *, scaled: bool = True) -> float:
         """A decode step over ``batch`` sequences holding ``context_tokens``: the profile's,
         its batch terms ``decode_slope`` times steeper, at the learned speed (``decode_scale``;
@@ -166,7 +197,7 @@ class PrefillForecast:
         step_s = (profile.decode_base_ms + self.decode_slope * grows) / 1000
         return step_s * self.decode_scale if scaled else step_s
 
-    def observe_gap(self, gap_s: float, tokens: int) -> None:
+    def observe_gap(self, gap_s: float, tokens: int, *, decode_only: bool = False) -> None:
         """An inter-token gap was observed (per token): learn the decode scale.
 
         Every decoding stream sees the same steps: ``B`` streams each tell of a gap of theirs
@@ -180,10 +211,17 @@ class PrefillForecast:
         expected = self.decode_step_s(max(1, self.decoding), self.decode_context, scaled=False)
         if expected <= 0 or gap_s <= 0:
             return
-        ratio = min(max(gap_s / tokens / expected, self.decode_scale / 2), self.decode_scale * 2)
+        seen = gap_s / tokens / expected
+        ratio = min(max(seen, self.decode_scale / 2), self.decode_scale * 2)
         rate = min(_DECODE_RATE_MAX, gap_s / (max(1, self.decoding) * _DECODE_MEMORY_S))
         updated = self.decode_scale + rate * (ratio - self.decode_scale)
         self.decode_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], updated))
+        if decode_only:  # no prompt chunk in its steps: the decode step's own speed
+            own_scale = self.decode_own_scale
+            own = min(max(seen, own_scale / 2), own_scale * 2)
+            updated = own_scale + rate * (own - own_scale)
+            self.decode_own_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], updated))
+        self.decode_own_scale = min(self.decode_own_scale, self.decode_scale)
 
     def standalone_s(self, tokens: int) -> float:
         """The prompt's time to first token on an idle engine: the least it can take here."""
@@ -430,3 +468,4 @@ class PrefillForecast:
         self.scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], scale))
         self.latency_s = min(_LATENCY_BOUNDS[1], max(_LATENCY_BOUNDS[0], latency_s))
         self.decode_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], decode_scale))
+        self.decode_own_scale = self.decode_scale  # the probes' steps only decode
