@@ -255,3 +255,49 @@ def test_the_gap_histogram_observed_in_bulk_is_prometheus_clients_histogram() ->
 
     assert lines(counted_registry) == lines(plain_registry)
     assert f"{name}_created " in generate_latest(counted_registry).decode()
+
+
+async def test_a_gap_the_relay_spent_writing_to_a_slow_client_teaches_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The engine has sent everything (each chunk already read when asked for), and the client
+    # takes a second per chunk: the gaps are the client's, not the engine's. They are still
+    # the gaps the router saw (the histogram), but neither the decode scale nor drift learns
+    # from them; a chunk the relay waited for is learned from as ever.
+    engine = engine_of()
+    reads: list[Read] = [(0.0, [chunk()]), *((0.0, [chunk()]) for _ in range(8))]
+    reads.append((STEP_S, [chunk(finish=True), USAGE]))  # the engine's own pace again
+    with trio.fail_after(60):
+        slot = Slot.take(engine, 100, max_tokens=64)
+        exchange = Exchange(
+            cast(Any, None),
+            engine,
+            cast(Any, _Stream([(0.05, [ROLE]), *reads])),
+            cast(Any, None),
+            slot,
+            Measurements(trio.current_time()),
+        )
+        while True:
+            while exchange.next_ready() is not None:
+                pass
+            if await exchange.next_chunk() is None:
+                break
+            await trio.sleep(1.0)  # the write to the slow client
+        exchange.settle()
+    gaps = exchange.measurements.gaps
+    assert [round(gap, 3) for gap, _ in gaps[:8]] == [1.0] * 8  # what the router saw
+    # The last gap: a second away, then the engine's step: mostly the client's too.
+    assert engine.forecast.decode_scale == 1.0
+    assert slot.gap_tokens == 0  # drift was told of no gap
+    slot.release()
+
+
+async def test_a_gap_the_relay_waited_for_teaches_as_ever(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    reads: list[Read] = [(0.0, [chunk()]), *((STEP_S, [chunk()]) for _ in range(8))]
+    reads.append((STEP_S, [chunk(finish=True), USAGE]))
+    _, slot, _, seen = await relay(reads)
+    assert seen["decode_scale"] > 1.0  # twice the profiled step: it learned
+    assert slot.gap_tokens > 0
+

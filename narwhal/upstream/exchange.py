@@ -19,6 +19,7 @@ The module holds no deadlines: the caller opens the request's cancel scopes arou
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TypeVar
@@ -131,6 +132,8 @@ class Exchange:
     _gap_s: float = 0.0
     _gap_events: int = 0
     _gap_tokens: int = 0
+    _asked_at: float = -math.inf  # when the relay last asked for a chunk that needs a read
+    _gap_held: bool = False  # the gap was mostly the relay's time away (a slow client's)
     _generated: int = 0
 
     def observe(self, event: ChunkEvent) -> None:
@@ -152,7 +155,10 @@ class Exchange:
             else:
                 if not self._gap_events:
                     last = measured.last_output_at
-                    self._gap_s = 0.0 if last is None else now - last
+                    self._gap_s = gap = 0.0 if last is None else now - last
+                    # The relay was away (writing to a client that reads slowly) for most of
+                    # the gap: the engine's pace is hidden in it, and it teaches nothing.
+                    self._gap_held = last is not None and self._asked_at - last > gap / 2
                 self._gap_events += 1
                 self._gap_tokens += tokens or 1
             measured.last_output_at = now
@@ -188,7 +194,8 @@ class Exchange:
         slot = self.slot
         if self._gap_events:
             self.measurements.gaps.append((self._gap_s, self._gap_events))
-            slot.observe_gap(self._gap_s, self._gap_tokens, now=now)
+            if not self._gap_held:
+                slot.observe_gap(self._gap_s, self._gap_tokens, now=now)
             self._gap_events = self._gap_tokens = 0
         if self._generated:
             slot.generated(self._generated, now=now)
@@ -210,6 +217,7 @@ class Exchange:
         self.settle()
         if self.complete:
             return await self._after_complete()
+        self._asked_at = trio.current_time()
         event = await self.stream.next_event()
         if isinstance(event, ChunkEvent):
             self.observe(event)
