@@ -300,4 +300,3 @@ async def test_a_gap_the_relay_waited_for_teaches_as_ever(
     _, slot, _, seen = await relay(reads)
     assert seen["decode_scale"] > 1.0  # twice the profiled step: it learned
     assert slot.gap_tokens > 0
-
