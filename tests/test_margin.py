@@ -54,7 +54,7 @@ def test_the_wait_factor_is_the_99th_percentile_of_observed_over_predicted_wait(
         _waited(margin, 1.0, 1.0 + number / 50)  # ratios 1.00 .. 2.98
     assert margin.factor == pytest.approx(2.98)
     # Only the wait is cautious: the own prefill keeps its prior.
-    assert margin.own.samples == 0
+    assert margin.own.all.samples == 0
     # The typical wait is the median's (2.0 s); the projection decided on is at the factor.
     assert margin.typical(1.0, 0.0)[0] == pytest.approx(2.0)
     assert margin.caution_s(1.0, 0.0) == pytest.approx(0.98)
@@ -75,19 +75,42 @@ def test_short_waits_do_not_teach_the_wait_factor() -> None:
     assert margin.wait.samples == 0 and margin.factor == 2.0
 
 
+def own(*, min_samples: int = 1) -> WaitFactors:
+    """Own-prefill factors (prior 1.25, never under 1) whose bands learn from ``min_samples``."""
+
+    def ratios() -> Ratios:
+        return Ratios(prior=1.25, min_samples=min_samples)
+
+    return WaitFactors(1.25, tuple(ratios() for _ in WAIT_BANDS), ratios())
+
+
 def test_a_long_prompt_that_hardly_waited_teaches_the_own_prefill_factor() -> None:
-    margin = SafetyMargin(own=Ratios(prior=1.25, min_samples=1))
+    margin = SafetyMargin(own=own())
     # 1.2 s of own prefill, 10 ms of wait: it came at 1.5 s, its prefill took 1.48 s.
     margin.observe(0.01, 0.01, 1.2, 1.5, budget_s=BUDGET)
-    assert margin.own.samples == 1 and margin.wait.samples == 0
-    assert margin.own.factor == pytest.approx(1.48 / 1.2)
+    assert margin.own.all.samples == 1 and margin.wait.samples == 0
+    assert margin.own.factor(1.2, BUDGET) == pytest.approx(1.48 / 1.2)
     assert margin.caution_s(0.0, 1.2) == pytest.approx(0.28)
 
 
+def test_short_prompts_errors_never_raise_a_long_prompts_own_caution() -> None:
+    # Short prompts (0.15 s) that came twice as late as predicted (a neighbour shared their
+    # step) teach their band 2.0; a 1.4 s prompt, three bands up and untaught, climbs from it
+    # and stays at the prior 1.25.
+    margin = SafetyMargin(own=own())
+    for _ in range(10):
+        margin.observe(0.0, 0.0, 0.15, 0.30, budget_s=BUDGET)
+    assert margin.own.factor(0.15, BUDGET) == pytest.approx(2.0)
+    assert margin.own.factor(1.4, BUDGET) == 1.25
+    # A band taught by long prompts of its own is judged by them.
+    margin.observe(0.0, 0.0, 1.4, 1.4 * 1.1, budget_s=BUDGET)
+    assert margin.own.factor(1.4, BUDGET) == pytest.approx(1.1)
+
+
 def test_a_wait_as_long_as_the_prefill_teaches_neither_the_own_factor() -> None:
-    margin = SafetyMargin(own=Ratios(prior=1.25, min_samples=1))
+    margin = SafetyMargin(own=own())
     margin.observe(0.01, 0.09, 0.1, 0.5, budget_s=BUDGET)  # under the floor, but not short
-    assert margin.own.samples == 0 and margin.wait.samples == 0
+    assert margin.own.all.samples == 0 and margin.wait.samples == 0
     assert margin.own_bias.samples == 0
 
 
@@ -100,9 +123,9 @@ def test_waits_shorter_than_predicted_lower_the_wait_factor_below_one() -> None:
 
 
 def test_the_own_factor_never_goes_below_one() -> None:
-    margin = SafetyMargin(own=Ratios(prior=1.25, min_samples=1))
+    margin = SafetyMargin(own=own())
     margin.observe(0.01, 0.0, 1.0, 0.51, budget_s=BUDGET)  # half its predicted prefill
-    assert margin.own.factor == margin.own.least == 1.0
+    assert margin.own.factor(1.0, BUDGET) == margin.own.all.least == 1.0
 
 
 def test_the_window_forgets_old_errors() -> None:

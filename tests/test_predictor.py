@@ -6,7 +6,7 @@ from typing import Any, cast
 
 import pytest
 
-from narwhal.admission.margin import Ratios, SafetyMargin, WaitFactors
+from narwhal.admission.margin import SafetyMargin, WaitFactors
 from narwhal.admission.plan import Plan
 from narwhal.admission.predictor import Projection, project
 from narwhal.admission.queue import Waiter
@@ -164,7 +164,7 @@ def test_the_safety_margin_is_added_on_the_wait_and_the_own_prefill_apart() -> N
     engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
     ahead = [_waiter() for _ in range(4)]
     typical = _project(engine, ahead, overhead_s=0.005)
-    margin = SafetyMargin(waits=WaitFactors(prior=1.5), own=Ratios(prior=1.1))
+    margin = SafetyMargin(waits=WaitFactors(prior=1.5), own=WaitFactors(prior=1.1))
     cautious = _project(engine, ahead, overhead_s=0.005, margin=margin)
     assert cautious.typical_s == typical.ttft_s == typical.typical_s
     assert typical.wait_s > 0 and typical.own_prefill_s > 0
@@ -178,7 +178,7 @@ def test_the_safety_margin_is_added_on_the_wait_and_the_own_prefill_apart() -> N
 
 def test_a_request_that_waits_for_nothing_gets_no_caution_on_a_wait() -> None:
     engine = _engine(decode_limit=8)
-    margin = SafetyMargin(waits=WaitFactors(prior=3.0), own=Ratios(prior=1.0))
+    margin = SafetyMargin(waits=WaitFactors(prior=3.0), own=WaitFactors(prior=1.0))
     projection = _project(engine, overhead_s=0.005, margin=margin)
     assert projection.wait_s == 0.0
     assert projection.ttft_s == projection.typical_s

@@ -18,7 +18,10 @@ parts are not equally uncertain.
 * **The request's own prefill** is known from its size and the engine's learned speed. Its
   caution is the same quantile of ``observed / predicted`` prefill, learned from requests that
   hardly waited, so that a long prompt on an idle engine is judged by how well the model
-  predicts long prompts, not by how long queues run.
+  predicts long prompts, not by how long queues run; and by band of predicted prefill, as
+  the waits are: a prompt that shares its step with a neighbour arriving after it gets its
+  first token up to a step's chunk later, which is twice a 0.1 s prefill and a quarter of a
+  1.4 s one, so short prompts' errors may lower a long prompt's caution, never raise it.
 
 The typical projection corrects each part by its learned bias (the median of its observed
 ratios), and the projection decided on takes each part at its factor instead:
@@ -161,8 +164,15 @@ class WaitFactors:
             self.all.add(ratio)
 
 
-def _own_ratios() -> Ratios:
-    return Ratios(prior=1.25)
+def _own_factors() -> WaitFactors:
+    # Never under 1 (a prefill faster than predicted does not make a longer one safer), prior
+    # 1.25, by band of predicted own prefill: what short prompts teach never raises a long
+    # one's caution (a neighbour sharing its step adds at most a step's chunk, which doubles
+    # a 0.1 s prefill and adds a quarter to a 1.4 s one).
+    def ratios() -> Ratios:
+        return Ratios(prior=1.25)
+
+    return WaitFactors(1.25, tuple(ratios() for _ in WAIT_BANDS), ratios())
 
 
 def _bias_ratios() -> Ratios:
@@ -185,7 +195,9 @@ class SafetyMargin:
         seats: the same, from requests whose wait was mostly for a seat (its share at least
             ``seat_share``): the seat's ratio, the compute ahead taken as predicted.
         every: every wait's ratio: their median is the wait's bias.
-        own: ratios of observed to predicted own prefill, from long prompts that hardly waited.
+        own: ratios of observed to predicted own prefill, from long prompts that hardly waited,
+            by band of predicted own prefill (a band not yet taught climbs from the one below,
+            never above the prior, as the waits' bands do).
         own_bias: the same ratios from every request that hardly waited, whatever its size:
             their median corrects the typical own prefill.
         floor_share: a predicted wait (or own prefill) under this share of the budget does not
@@ -199,7 +211,7 @@ class SafetyMargin:
     waits: WaitFactors = attrs.field(factory=_compute_waits)
     seats: WaitFactors = attrs.field(factory=WaitFactors)  # prior 2
     every: Ratios = attrs.field(factory=_wait_ratios)
-    own: Ratios = attrs.field(factory=_own_ratios)
+    own: WaitFactors = attrs.field(factory=_own_factors)
     own_bias: Ratios = attrs.field(factory=_bias_ratios)
     floor_share: float = 0.05
     own_only_share: float = 0.25
@@ -255,7 +267,8 @@ class SafetyMargin:
         if seat_s > 0:
             cautious += self.seats.factor(seat_s, budget_s) * seat_s
         wait = max(0.0, max(cautious, overrun * wait_s) - typical_wait)
-        own = max(0.0, self.own.factor * own_prefill_s - typical_own)
+        own_factor = self.own.factor(own_prefill_s, budget_s)
+        own = max(0.0, own_factor * own_prefill_s - typical_own)
         return wait + own
 
     def observe(
@@ -287,4 +300,4 @@ class SafetyMargin:
             ratio = (observed_s - fixed_s - wait_s) / own_prefill_s
             self.own_bias.add(ratio)
             if own_prefill_s >= floor:
-                self.own.add(ratio)
+                self.own.add(own_prefill_s, budget_s, ratio)
