@@ -165,10 +165,8 @@ class PrefillForecast:
 
     def decode_tpot_s(self) -> float:
         """The time per output token of the decoding batch as it is now, without the prefill
-        chunks beside it (at ``decode_own_scale``)."""
-        batch = max(1, self.decoding)
-        context = self.decode_context + sum(p.tokens for p in self.pending.values())
-        return self.decode_step_s(batch, context, scaled=False) * self.decode_own_scale
+        chunks beside it: :meth:`tpot_s` at ``decode_own_scale``."""
+        return self.tpot_s() * self.decode_own_scale / self.decode_scale
 
     def compute_s(self, tokens: int) -> float:
         """A prompt's own prefill compute here, alone (no step beside it), at the learned
