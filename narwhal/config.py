@@ -288,12 +288,18 @@ class Config:
 # -- loading ------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, *, engines_required: bool = True) -> Config:
     """Read and validate a TOML configuration file.
+
+    Args:
+        path: the file.
+        engines_required: a file without an ``[[engines]]`` table is an error (not: the
+            caller supplies the engines, as the benchmarks' ``--narwhal-config`` does).
 
     Raises:
         ConfigError: the file is missing or unreadable, is not UTF-8 TOML, or holds an unknown
-            key, a bad value or no engine. The message starts with the path.
+            key, a bad value or (``engines_required``) no engine. The message starts with the
+            path.
     """
     try:
         with open(path, "rb") as file:
@@ -307,7 +313,7 @@ def load_config(path: str | Path) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     try:
-        return config_from_mapping(data)
+        return config_from_mapping(data, engines_required=engines_required)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
@@ -327,17 +333,17 @@ def check_resources(config: Config) -> None:
             raise ConfigError(f"serving.tokenizer: {exc}") from exc
 
 
-def config_from_mapping(data: Mapping[str, Any]) -> Config:
+def config_from_mapping(data: Mapping[str, Any], *, engines_required: bool = True) -> Config:
     """Build a :class:`Config` from parsed TOML (or any mapping of the same shape).
 
     A configuration needs at least one ``[[engines]]`` table (a :class:`Config` built in code
-    may have none).
+    may have none), unless ``engines_required`` is false (the caller supplies them).
 
     Raises:
         ConfigError: an unknown key or a bad value, named by its dotted path, or no engine.
     """
     config: Config = _build(Config, data, "")
-    if not config.engines:
+    if engines_required and not config.engines:
         raise ConfigError("engines: no [[engines]] table; the router needs at least one engine")
     return config
 

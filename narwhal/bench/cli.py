@@ -269,7 +269,8 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
         "--narwhal-config",
         type=Path,
         metavar="FILE",
-        help="run Narwhal with this configuration's settings (engines and model replaced)",
+        help="run Narwhal with this configuration's settings (engines and model replaced: it "
+        "needs no [[engines]] table)",
     )
     parser.add_argument(
         "--workers",
@@ -426,6 +427,8 @@ def _integers(text: str, option: str) -> list[int]:
 
 
 def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from narwhal.config import ConfigError, load_config
+
     defaults = OverheadSettings()
     try:
         levels = parse_levels(
@@ -436,7 +439,9 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             if args.workers is None
             else tuple(dict.fromkeys(_integers(args.workers, "--workers")))
         )
-    except ValueError as exc:
+        if args.narwhal_config is not None:  # before any process starts
+            load_config(args.narwhal_config, engines_required=False)
+    except (ValueError, ConfigError) as exc:
         print(f"narwhal bench overhead: {exc}", file=sys.stderr)
         return 2
     settings = OverheadSettings(
@@ -660,7 +665,8 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         "--narwhal-config",
         type=Path,
         metavar="FILE",
-        help="run the router with this configuration's settings (engines and model replaced)",
+        help="run the router with this configuration's settings (engines and model replaced: it "
+        "needs no [[engines]] table)",
     )
     realtime = parser.add_argument_group("real time (--real-time)")
     realtime.add_argument(
@@ -747,7 +753,7 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
     count, types = _engines(args.engines)
     router = default_router(count, profile=args.profile, types=types)
     if args.narwhal_config is not None:
-        base = load_config(args.narwhal_config)
+        base = load_config(args.narwhal_config, engines_required=False)
         router = attrs.evolve(
             base,
             serving=attrs.evolve(base.serving, model=router.serving.model),

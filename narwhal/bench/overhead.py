@@ -209,7 +209,7 @@ def narwhal_config_text(
         narwhal.config.ConfigError: ``base`` is not a valid configuration.
     """
     if base is not None:
-        config = load_config(base)
+        config = load_config(base, engines_required=False)
     else:
         config = Config(
             admission=AdmissionConfig(

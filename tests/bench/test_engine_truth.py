@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import pytest
 import trio
@@ -88,6 +89,15 @@ def test_the_command_line_options() -> None:
         with pytest.raises(ValueError):
             _settings(*argv)
     assert main(["admission", "--engines", "tpu"]) == 2
+
+
+def test_a_narwhal_config_without_engines_sets_admission(tmp_path: Path) -> None:
+    # The benchmark supplies the engines: the file a user writes holds the settings it tries.
+    base = tmp_path / "base.toml"
+    base.write_text("[admission]\nqueue_limit = 64\n")
+    settings = _settings("--narwhal-config", str(base))
+    assert settings.setup.router.admission.queue_limit == 64
+    assert len(settings.setup.router.engines) == 2
 
 
 def test_placement_keeps_no_tpot_target_unless_asked() -> None:

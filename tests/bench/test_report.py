@@ -258,6 +258,21 @@ def test_narwhal_config_has_one_engine_and_loads_back(tmp_path: Path) -> None:
     config = config_from_mapping(tomllib.loads(narwhal_config_text("m", "http://e:2", base)))
     assert config.admission.mode == "open"
     assert [engine.name for engine in config.engines] == ["sim"]
+    # The benchmark supplies the engine: a base without one is what a user writes.
+    base.write_text('[admission]\nmode = "open"\n')
+    config = config_from_mapping(tomllib.loads(narwhal_config_text("m", "http://e:2", base)))
+    assert (config.admission.mode, [engine.name for engine in config.engines]) == ("open", ["sim"])
+
+
+def test_overhead_refuses_a_bad_narwhal_config_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "base.toml"
+    base.write_text('[admission]\nmode = "sometimes"\n')
+    assert main(["overhead", "--no-vllm-router", "--narwhal-config", str(base)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("narwhal bench overhead: ") and "admission.mode" in err
+    assert "Traceback" not in err
 
 
 def test_procstat_parsers() -> None:
