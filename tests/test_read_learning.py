@@ -50,6 +50,9 @@ class _Stream:
         self._reads = list(reads)
         self._pending: list[ChunkEvent] = []
 
+    def buffered(self) -> bool:
+        return bool(self._pending)
+
     def next_ready(self) -> UpstreamEvent | None:
         return self._pending.pop(0) if self._pending else None
 

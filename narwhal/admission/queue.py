@@ -315,6 +315,9 @@ class AdmissionQueue:
             while not self._closed:
                 changed = self.pool.next_change()
                 look_again_at = self.dispatch()
+                if look_again_at == math.inf:  # nothing to look at again by itself: no deadline
+                    await changed.wait()
+                    continue
                 with trio.move_on_at(look_again_at):
                     await changed.wait()
             nursery.cancel_scope.cancel()

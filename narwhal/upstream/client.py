@@ -555,6 +555,11 @@ class UpstreamStream:
         """Close the connection (the engine sees the client go away and aborts)."""
         await self._response.aclose()
 
+    def buffered(self) -> bool:
+        """An event is already received: :meth:`next_event` takes it without a read (it
+        may still drain the body after ``[DONE]``)."""
+        return self._position < len(self._pending)
+
     def next_ready(self) -> ChunkEvent | ErrorFrameEvent | None:
         """The next event when it is already received and is not the stream's end; else
         ``None`` (a read, or the end, is next: :meth:`next_event`).

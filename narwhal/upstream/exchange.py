@@ -278,21 +278,29 @@ class Exchange:
         return self.finished and self.measurements.usage_seen
 
     async def _after_complete(self) -> ChunkEvent | None:
+        if self.stream.buffered():
+            # Nearly always: the end came in the read that completed the answer. Taking it
+            # waits for nothing, so no deadline is set up for it (the drain that follows
+            # [DONE] keeps its own).
+            return await self._take_after_complete()
         with trio.move_on_after(AFTER_COMPLETE_S):
-            try:
-                event = await self.stream.next_event()
-            except UpstreamFailure as exc:
-                log.info(
-                    "engine %s broke its stream after a complete answer: %s",
-                    self.engine.name,
-                    exc.message,
-                )
-                return None
-            if isinstance(event, ChunkEvent):
-                self.observe(event)
-                return event
-            return None
+            return await self._take_after_complete()
         log.info("engine %s idled after a complete answer; ending it", self.engine.name)
+        return None
+
+    async def _take_after_complete(self) -> ChunkEvent | None:
+        try:
+            event = await self.stream.next_event()
+        except UpstreamFailure as exc:
+            log.info(
+                "engine %s broke its stream after a complete answer: %s",
+                self.engine.name,
+                exc.message,
+            )
+            return None
+        if isinstance(event, ChunkEvent):
+            self.observe(event)
+            return event
         return None
 
     async def read_until_headers(self) -> None:
@@ -471,6 +479,11 @@ async def _open(
 
 
 async def _close_stream(stream: UpstreamStream) -> None:
-    # Even under cancellation (a client gone), and never for long: the engine must learn.
-    with trio.CancelScope(shield=True), trio.move_on_after(5):
+    # Even under cancellation (a client gone), and never for long: the engine must learn. One
+    # scope does both: a shield keeps the outer cancellations out, not its own deadline.
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + _CLOSE_S):
         await stream.aclose()
+
+
+_CLOSE_S = 5.0
+"""The longest closing an upstream stream may take (it returns the connection, or closes it)."""
