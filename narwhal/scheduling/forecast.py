@@ -143,10 +143,15 @@ class PrefillForecast:
         now, or ``batch``: its sequences and their context tokens)."""
         profile = self.profile
         decoding, context = (self.decoding, self.decode_context) if batch is None else batch
-        budget = max(1, profile.max_num_batched_tokens - decoding)
+        budget = self._token_budget(decoding)
         if decoding:  # the decode step as profiled (decode_slope); scale takes it to time
             return budget, self.decode_step_s(decoding, context, scaled=False) * 1000
         return budget, profile.prefill_base_ms
+
+    def _token_budget(self, decoding: int) -> int:
+        """The prompt tokens one step carries beside ``decoding`` sequences
+        (``max_num_batched_tokens`` less one per sequence)."""
+        return max(1, self.profile.max_num_batched_tokens - decoding)
 
     def tpot_with(self, tokens: int) -> float:
         """Predicted time per output token if one more sequence of ``tokens`` joined the batch.
@@ -181,7 +186,7 @@ class PrefillForecast:
     def step_compute_s(self) -> float:
         """The most prompt compute one step beside the decoding batch carries: its token
         budget (``max_num_batched_tokens`` less one per decoding sequence)."""
-        budget = max(1, self.profile.max_num_batched_tokens - self.decoding)
+        budget = self._token_budget(self.decoding)
         return budget * self.profile.prefill_per_token_ms / 1000 * self.scale
 
     def decode_step_s(self, batch: int, context_tokens: int, *, scaled: bool = True) -> float:
@@ -210,15 +215,10 @@ class PrefillForecast:
         if expected <= 0 or gap_s <= 0:
             return
         seen = gap_s / tokens / expected
-        ratio = min(max(seen, self.decode_scale / 2), self.decode_scale * 2)
         rate = min(_DECODE_RATE_MAX, gap_s / (max(1, self.decoding) * _DECODE_MEMORY_S))
-        updated = self.decode_scale + rate * (ratio - self.decode_scale)
-        self.decode_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], updated))
+        self.decode_scale = _toward(self.decode_scale, seen, rate)
         if decode_only:  # no prompt chunk in its steps: the decode step's own speed
-            own_scale = self.decode_own_scale
-            own = min(max(seen, own_scale / 2), own_scale * 2)
-            updated = own_scale + rate * (own - own_scale)
-            self.decode_own_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], updated))
+            self.decode_own_scale = _toward(self.decode_own_scale, seen, rate)
         self.decode_own_scale = min(self.decode_own_scale, self.decode_scale)
 
     def standalone_s(self, tokens: int) -> float:
@@ -337,7 +337,7 @@ class PrefillForecast:
         if self.pipeline.last_step_at == ahead.last_step_at:  # it added no step
             delay = self.pipeline.free_at - ahead.free_at
         else:
-            budget = max(1, self.profile.max_num_batched_tokens - self.decoding)
+            budget = self._token_budget(self.decoding)
             room = -(-ahead.tokens // budget) * budget - ahead.tokens
             delay = self.profile.prefill_per_token_ms * min(tokens, room) / 1000 * self.scale
         if delay <= 0:
@@ -467,3 +467,10 @@ class PrefillForecast:
         self.latency_s = min(_LATENCY_BOUNDS[1], max(_LATENCY_BOUNDS[0], latency_s))
         self.decode_scale = min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], decode_scale))
         self.decode_own_scale = self.decode_scale  # the probes' steps only decode
+
+
+def _toward(scale: float, seen: float, rate: float) -> float:
+    """``scale`` moved ``rate`` of the way to ``seen``, which counts as at most twice it and
+    at least half, within the scale's bounds."""
+    ratio = min(max(seen, scale / 2), scale * 2)
+    return min(_SCALE_BOUNDS[1], max(_SCALE_BOUNDS[0], scale + rate * (ratio - scale)))
