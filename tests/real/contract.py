@@ -295,7 +295,22 @@ def coalesced(lane: list[Any]) -> dict[str, Any]:
     for _, carried in parts:
         for path, value in carried.items():
             tokens[path] = tokens[path] + value if path in tokens else value
-    return {"first": parts[0][0], "last": parts[-1][0], "tokens": tokens} if parts else {}
+    if not parts:
+        return {}
+    first, carried = parts[0]
+    if carried:
+        _drop_running_counts(first)
+    return {"first": first, "last": parts[-1][0], "tokens": tokens}
+
+
+def _drop_running_counts(chunk: Any) -> None:
+    """Take off a chunk's running output counts (``continuous_usage_stats``): they count the
+    tokens sent so far, so they move with how many steps vLLM merged into the chunk. The last
+    chunk's counts (the whole output) and the prompt's stay compared."""
+    usage = chunk.get("usage") if isinstance(chunk, dict) else None
+    if isinstance(usage, dict):
+        usage.pop("completion_tokens", None)
+        usage.pop("total_tokens", None)
 
 
 def stream_differences(expected: dict[Any, list[Any]], actual: dict[Any, list[Any]]) -> list[str]:

@@ -149,6 +149,28 @@ def test_the_comparison_allows_vllms_coalescing_and_nothing_more() -> None:
     assert stream_differences(apart, unfinished) != []
 
 
+def _counted(content: str | None, sent: int, finish: str | None = None) -> dict[str, Any]:
+    usage = {"prompt_tokens": 11, "completion_tokens": sent, "total_tokens": 11 + sent}
+    return {**_chunk(content, finish), "usage": usage}
+
+
+def test_the_comparison_allows_running_usage_to_follow_coalescing() -> None:
+    """With ``continuous_usage_stats`` each chunk counts the tokens sent so far, so a first
+    chunk that merged two steps counts two: the same stream. The whole output's count and the
+    prompt's are still compared. (Needs no vLLM.)"""
+    apart = {0: [_counted("Hello", 1), _counted(" there", 2), _counted(None, 2, "stop")]}
+    merged = {0: [_counted("Hello there", 2), _counted(None, 2, "stop")]}
+    assert stream_differences(apart, merged) == []
+    longer = {0: [_counted("Hello there", 2), _counted(None, 3, "stop")]}
+    assert stream_differences(apart, longer) == [
+        "(coalesced) 0.last.usage.completion_tokens: 3, vLLM 2",
+        "(coalesced) 0.last.usage.total_tokens: 14, vLLM 13",
+    ]
+    other_prompt = {0: [{**_counted("Hello there", 2), "usage": {"prompt_tokens": 12}}]}
+    found = stream_differences(apart, other_prompt)
+    assert any("first.usage.prompt_tokens" in line for line in found)
+
+
 def test_matrix_exercises_what_it_names(direct: httpx.Client) -> None:
     """The cases really reach the features they are named after (else a match proves nothing)."""
     by_name = {case.name: case for case in CASES}
