@@ -286,6 +286,14 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
         "front of the same engine, with the Narwhal / floor ratios",
     )
     parser.add_argument(
+        "--stack-floor",
+        action="store_true",
+        help="also measure the stack floors: the cheapest ASGI relay on Hypercorn (no JSON "
+        "parsed, bodies passed through, httpx to the engine), once on stock Hypercorn "
+        "(hypercorn-floor) and once on Narwhal's own connection shell (stack-floor), with the "
+        "Narwhal / stack-floor ratios",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=defaults.request_timeout_s,
@@ -461,6 +469,7 @@ def _run_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         log_dir=args.log_dir,
         workers=workers,
         floor=args.floor,
+        stack_floor=args.stack_floor,
     )
 
     return _run_processes("overhead", partial(run_overhead, settings), args.output)

@@ -16,7 +16,11 @@ process itself) and the workers (the sum of its child processes).
 
 With ``floor`` (``--floor``), one more target, ``floor``: the cheapest relay this stack can be
 (:mod:`narwhal.bench.floor`, a subprocess in front of the same engine), measured in the same
-rounds, with the Narwhal / floor ratios beside the Narwhal / vllm-router ones.
+rounds, with the Narwhal / floor ratios beside the Narwhal / vllm-router ones. With
+``stack_floor`` (``--stack-floor``), two more: ``hypercorn-floor`` and ``stack-floor``, the
+cheapest ASGI relay on stock Hypercorn and on Narwhal's own connection shell
+(:mod:`narwhal.bench.stack_floor`), with the Narwhal / stack-floor ratios: what the stack's HTTP
+server and ASGI boundary cost before Narwhal does anything.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from narwhal.bench.procstat import environment
 from narwhal.bench.report import (
     DIRECT,
     FLOOR,
+    HYPERCORN_FLOOR,
     NARWHAL,
+    STACK_FLOOR,
     VLLM_ROUTER,
     LevelReport,
     OverheadReport,
@@ -120,6 +126,9 @@ class OverheadSettings:
             with the configuration's value, and no such table.
         floor: whether to include the floor (:mod:`narwhal.bench.floor`), the cheapest relay
             in this stack, as a target.
+        stack_floor: whether to include the stack floors (:mod:`narwhal.bench.stack_floor`),
+            the cheapest ASGI relay on Hypercorn, as two targets: on stock Hypercorn
+            (``hypercorn-floor``) and on Narwhal's own connection shell (``stack-floor``).
     """
 
     model: str = "llama-3.1-8b-instruct"
@@ -139,6 +148,7 @@ class OverheadSettings:
     ttft_bound_s: float = 0.001
     workers: tuple[int, ...] | None = None
     floor: bool = False
+    stack_floor: bool = False
 
     def as_json(self) -> dict[str, Any]:
         """Plain values for the JSON report."""
@@ -288,6 +298,16 @@ def _start(
         floor = _launch(FLOOR, argv, f"http://127.0.0.1:{port}", log_dir, stack)
         targets.append(_Target(FLOOR, floor.url, floor))
 
+    stack_floors: list[Service] = []
+    if settings.stack_floor:
+        for name, front in ((HYPERCORN_FLOOR, "hypercorn"), (STACK_FLOOR, "narwhal")):
+            port = free_port()
+            argv = [sys.executable, "-m", "narwhal.bench.stack_floor", "--bind"]
+            argv += [f"127.0.0.1:{port}", "--upstream", engine_url, "--front", front]
+            service = _launch(name, argv, f"http://127.0.0.1:{port}", log_dir, stack)
+            stack_floors.append(service)
+            targets.append(_Target(name, service.url, service))
+
     narwhals: list[Service] = []
     for workers in settings.workers or (None,):
         name = NARWHAL if workers is None else narwhal_target(workers)
@@ -322,6 +342,9 @@ def _start(
     if floor is not None:
         floor.wait_ready(model_ready, deadline_s=settings.startup_timeout_s)
         echo(f"floor: ready on {floor.url}")
+    for service in stack_floors:
+        service.wait_ready(model_ready, deadline_s=settings.startup_timeout_s)
+        echo(f"{service.name}: ready on {service.url}")
     for narwhal in narwhals:
         narwhal.wait_ready([("/ready", status_ok)], deadline_s=settings.startup_timeout_s)
         echo(f"{narwhal.name}: ready on {narwhal.url}")

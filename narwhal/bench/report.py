@@ -3,7 +3,8 @@
 Per concurrency level and target: latency percentiles, errors, CPU and memory. For each router:
 what it adds over the direct path (its percentile minus the direct path's percentile, because
 the two sets of requests are not paired), and the ratios of Narwhal's figures to vllm-router's
-(and to the floor's, the cheapest relay in this stack, when it ran: ``--floor``).
+(and to the floors', when they ran: ``--floor``, the cheapest relay on Trio sockets, and
+``--stack-floor``, the cheapest ASGI relay on Hypercorn).
 The same objects render as the printed table and as the JSON report.
 """
 
@@ -20,8 +21,10 @@ from narwhal.bench.load import LatencySummary, RequestRecord
 __all__ = [
     "DIRECT",
     "FLOOR",
+    "HYPERCORN_FLOOR",
     "NARWHAL",
     "RATIO_FLOOR_S",
+    "STACK_FLOOR",
     "VLLM_ROUTER",
     "Added",
     "Check",
@@ -35,8 +38,11 @@ __all__ = [
 
 DIRECT = "direct"
 FLOOR = "floor"
+HYPERCORN_FLOOR = "hypercorn-floor"
 NARWHAL = "narwhal"
+STACK_FLOOR = "stack-floor"
 VLLM_ROUTER = "vllm-router"
+_FLOORS = (FLOOR, HYPERCORN_FLOOR, STACK_FLOOR)
 
 _MIB = 1024 * 1024
 
@@ -46,8 +52,8 @@ class TargetResult:
     """One target at one concurrency level, over all its measured rounds.
 
     Attributes:
-        target: ``direct``, ``narwhal``, ``vllm-router`` or ``floor`` (or a Narwhal of
-            ``--workers``).
+        target: ``direct``, ``narwhal``, ``vllm-router``, ``floor``, ``hypercorn-floor`` or
+            ``stack-floor`` (or a Narwhal of ``--workers``).
         concurrency: requests in flight at once.
         requests: requests measured (warm-up excluded).
         errors: requests that did not end in a complete, error-free stream.
@@ -281,11 +287,15 @@ class LevelReport:
     @property
     def floor_ratios(self) -> Ratios | None:
         """Narwhal over the floor, when both ran."""
-        narwhal, floor = self.result(NARWHAL), self.result(FLOOR)
-        narwhal_added, floor_added = self.added(NARWHAL), self.added(FLOOR)
-        if narwhal is None or floor is None or narwhal_added is None or floor_added is None:
+        return self.ratios_over(FLOOR)
+
+    def ratios_over(self, target: str) -> Ratios | None:
+        """Narwhal over ``target`` (a floor), when both ran."""
+        narwhal, other = self.result(NARWHAL), self.result(target)
+        narwhal_added, other_added = self.added(NARWHAL), self.added(target)
+        if narwhal is None or other is None or narwhal_added is None or other_added is None:
             return None
-        return Ratios.of(narwhal_added, floor_added, narwhal.cpu_s_per_1k, floor.cpu_s_per_1k)
+        return Ratios.of(narwhal_added, other_added, narwhal.cpu_s_per_1k, other.cpu_s_per_1k)
 
     def as_json(self) -> dict[str, Any]:
         """Plain values for a JSON report."""
@@ -302,11 +312,11 @@ class LevelReport:
             "added_over_direct": added,
             "ratios_narwhal_over_vllm_router": None if ratios is None else ratios.as_json(),
         }
-        if self.result(FLOOR) is not None:
-            floor_ratios = self.floor_ratios
-            data["ratios_narwhal_over_floor"] = (
-                None if floor_ratios is None else floor_ratios.as_json()
-            )
+        for floor in _FLOORS:
+            if self.result(floor) is not None:
+                over = self.ratios_over(floor)
+                key = "ratios_narwhal_over_" + floor.replace("-", "_")
+                data[key] = None if over is None else over.as_json()
         return data
 
 
@@ -508,7 +518,7 @@ def _shared_cpu_note(environment: Mapping[str, Any]) -> str:
 
 
 _HEADER = (
-    f"{'target':<12}{'ok':>6}{'err':>5}"
+    f"{'target':<16}{'ok':>6}{'err':>5}"
     f"{'TTFT p50':>10}{'p99':>9}{'E2E p50':>9}{'p99':>9}"
     f"{'+TTFT p50':>11}{'p99':>9}{'+E2E p50':>10}{'p99':>9}"
     f"{'CPU s/1k':>10}{'eng CPU':>9}{'gen CPU':>9}{'RSS MiB':>9}{'req/s':>7}"
@@ -525,7 +535,7 @@ def _render_level(level: LevelReport) -> list[str]:
     for result in level.results:
         added = level.added(result.target)
         lines.append(
-            f"{result.target:<12}{result.requests - result.errors:>6}{result.errors:>5}"
+            f"{result.target:<16}{result.requests - result.errors:>6}{result.errors:>5}"
             f"{_ms(result.ttft.p50_s):>10}{_ms(result.ttft.p99_s):>9}"
             f"{_ms(result.e2e.p50_s):>9}{_ms(result.e2e.p99_s):>9}"
             f"{_ms(_field(added, 'ttft_p50_s'), signed=True):>11}"
@@ -549,12 +559,13 @@ def _render_level(level: LevelReport) -> list[str]:
             f"added E2E p50 {_times(ratios.added_e2e_p50)}, p99 {_times(ratios.added_e2e_p99)}; "
             f"CPU per request {_times(ratios.cpu_per_request)}"
         )
-    floor_ratios = level.floor_ratios
-    if floor_ratios is not None:
-        lines.append(
-            f"narwhal / floor: added TTFT p50 {_times(floor_ratios.added_ttft_p50)}; "
-            f"CPU per request {_times(floor_ratios.cpu_per_request)}"
-        )
+    for floor in _FLOORS:
+        over = level.ratios_over(floor)
+        if over is not None:
+            lines.append(
+                f"narwhal / {floor}: added TTFT p50 {_times(over.added_ttft_p50)}; "
+                f"CPU per request {_times(over.cpu_per_request)}"
+            )
     return lines
 
 
