@@ -205,3 +205,28 @@ def test_each_part_of_the_wait_teaches_its_own_factor() -> None:
     waited(1.0, 0.3, 1.0)  # both: it teaches neither part, only the bias of every wait
     assert (margin.waits.all.samples, margin.seats.all.samples) == (1, 1)
     assert margin.every.samples == 3
+
+
+def test_each_part_of_the_typical_wait_is_corrected_by_its_own_median() -> None:
+    """Seat waits and compute waits err differently (a seat frees when the running outputs
+    end; the prefills ahead are known sizes): once both parts are taught, the typical wait
+    corrects each part by its own median ratio, not both by every wait's."""
+    margin = cautious(min_samples=3)
+    fixed, own = 0.01, 0.1
+
+    def waited(wait: float, seat: float, observed_wait: float) -> None:
+        observed = fixed + observed_wait + own
+        margin.observe(fixed, wait, own, observed, budget_s=BUDGET, seat_s=seat)
+
+    for observed in (1.1, 1.2, 1.3):  # waits for the compute ahead: 1.2 typical
+        waited(1.0, 0.0, observed)
+    # Seats not taught yet: every wait's median (1.2) corrects the whole wait.
+    assert margin.typical(1.0, 0.1, 0.6) == pytest.approx((1.2, 0.1))
+    for observed in (0.4, 0.6, 0.8):  # 0.8 s seats, 0.2 s of compute ahead taken as predicted
+        waited(1.0, 0.8, observed)
+    assert margin.seats.all.median == pytest.approx((0.6 - 0.2) / 0.8)
+    # Now each part by its own: 0.4 s of compute at 1.2, 0.6 s of seat at 0.5.
+    assert margin.typical(1.0, 0.1, 0.6) == pytest.approx((0.4 * 1.2 + 0.6 * 0.5, 0.1))
+    assert margin.typical(1.0, 0.1) == pytest.approx((1.2, 0.1))  # no seat: the compute's
+    # The every-wait median, 1.1 here, would have put both at 1.1.
+    assert margin.every.median == pytest.approx(1.1)
