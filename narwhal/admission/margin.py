@@ -243,7 +243,7 @@ class SafetyMargin:
         Once both parts of the wait have taught their ratios, each is corrected by its own:
         the compute ahead (``wait_s - seat_s``) by the compute waits' median, the seat
         (``seat_s``) by the seat waits'. They err apart (on the wrong prior's benchmark at 1x
-        to 3x, seat waits ran 0.2 to 0.3 s shorter than planned while compute waits were
+        to 3x, seat waits ran 0.21 to 0.33 s shorter than planned while compute waits were
         about right), and one median for every wait would carry one part's bias into the
         other. Until then, every wait's median corrects the whole wait.
         """
