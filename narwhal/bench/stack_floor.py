@@ -73,7 +73,7 @@ class StackFloorApp:
             await self._lifespan(receive, send)
         elif scope["type"] == "http":
             await self._relay(scope, receive, send)
-        # A WebSocket is never accepted: Hypercorn answers its handshake with a 403.
+        # A WebSocket is never accepted (the app returns without accepting it).
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
