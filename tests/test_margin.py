@@ -230,3 +230,12 @@ def test_each_part_of_the_typical_wait_is_corrected_by_its_own_median() -> None:
     assert margin.typical(1.0, 0.1) == pytest.approx((1.2, 0.1))  # no seat: the compute's
     # The every-wait median, 1.1 here, would have put both at 1.1.
     assert margin.every.median == pytest.approx(1.1)
+
+
+def test_the_wait_and_the_own_prefill_cautions_add_as_independent_errors() -> None:
+    """Both parts at their 99th percentile at once is far rarer than either: a request with
+    0.9 s of caution on its wait and 0.4 s on its own prefill gets about 0.98 s, not 1.3 s."""
+    margin = SafetyMargin(waits=WaitFactors(prior=1.9), own=WaitFactors(prior=1.4))
+    assert margin.caution_s(1.0, 0.0) == pytest.approx(0.9)
+    assert margin.caution_s(0.0, 1.0) == pytest.approx(0.4)
+    assert margin.caution_s(1.0, 1.0) == pytest.approx((0.9**2 + 0.4**2) ** 0.5)

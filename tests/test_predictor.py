@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import pytest
@@ -172,8 +173,12 @@ def test_the_safety_margin_is_added_on_the_wait_and_the_own_prefill_apart() -> N
     # running batch, and counts with the seats (prior 2).
     compute = 4 * H100.prefill_chunk_ms(0, 1000) / 1000
     assert typical.seat_s == pytest.approx(typical.wait_s - compute)
-    caution = 0.5 * compute + 1.0 * typical.seat_s + 0.1 * typical.own_prefill_s
+    wait_caution = 0.5 * compute + 1.0 * typical.seat_s
+    own_caution = 0.1 * typical.own_prefill_s
+    # The two cautions add as independent errors do (root-sum-square), not as a sum.
+    caution = math.hypot(wait_caution, own_caution)
     assert cautious.ttft_s == pytest.approx(typical.ttft_s + caution)
+    assert caution < wait_caution + own_caution
 
 
 def test_a_request_that_waits_for_nothing_gets_no_caution_on_a_wait() -> None:

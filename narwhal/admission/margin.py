@@ -24,8 +24,11 @@ parts are not equally uncertain.
   1.4 s one, so short prompts' errors may lower a long prompt's caution, never raise it.
 
 The typical projection corrects each part by its learned bias (the median of its observed
-ratios), and the projection decided on takes each part at its factor instead:
-``fixed + compute_factor * compute_wait + seat_factor * seat_wait + own_factor * own``. A
+ratios), and the projection decided on adds the caution of the wait (``compute_factor *
+compute_wait + seat_factor * seat_wait`` over its typical) and of the own prefill
+(``own_factor * own`` over its typical) as independent errors add, root-sum-square: the two
+err apart, and taking both at their 99th percentile at once refused requests whose first token
+would have come at a third of the budget. A
 request that waits for nothing is not made to look longer than its own prefill's error allows,
 and a burst's long queue is not trusted further than the queue's error. The learned factors
 only know requests that have finished waiting; when the requests waiting now have already
@@ -37,6 +40,7 @@ ahead, 2 on a seat.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 
 import attrs
@@ -284,7 +288,10 @@ class SafetyMargin:
         wait = max(0.0, max(cautious, overrun * wait_s) - typical_wait)
         own_factor = self.own.factor(own_prefill_s, budget_s)
         own = max(0.0, own_factor * own_prefill_s - typical_own)
-        return wait + own
+        # The wait's error and the own prefill's are apart (a queue's, and a step's neighbour):
+        # both at their 99th percentile at once is far rarer than either, so their cautions
+        # add as independent errors do, root-sum-square, not as a sum.
+        return math.hypot(wait, own)
 
     def observe(
         self,
