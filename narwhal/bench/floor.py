@@ -26,7 +26,7 @@ import argparse
 import contextlib
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from urllib.parse import urlsplit
 
@@ -38,7 +38,9 @@ __all__ = [
     "MAX_HEAD_BYTES",
     "ChunkedEnd",
     "FramingError",
+    "RelayServe",
     "main",
+    "run_relay",
     "serve_floor",
     "upstream_address",
 ]
@@ -362,15 +364,43 @@ def upstream_address(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port or 80
 
 
-async def _serve_until_signal(port: int, upstream_url: str, host: str) -> str | None:
+RelayServe = Callable[..., Awaitable[None]]
+"""Serves a relay: ``serve(bind_port, upstream_url, *, host, task_status)``, the bound port
+given to ``task_status`` (:func:`serve_floor`, and the stack floor's)."""
+
+
+def run_relay(name: str, bind: str, upstream_url: str, serve: RelayServe) -> int:
+    """A measuring relay's command: serve on ``bind`` (``HOST:PORT``) in front of
+    ``upstream_url`` until SIGTERM or SIGINT (exit 0); 2, said on standard error after
+    ``name``, for a wrong ``bind`` or upstream, or a port that cannot be bound."""
+    host, colon, port = bind.rpartition(":")
+    try:
+        if not colon or not port.isdigit():
+            raise ValueError(f"--bind: expected HOST:PORT, got {bind!r}")
+        upstream_address(upstream_url)
+    except ValueError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    failure = trio.run(
+        _serve_until_signal, name, serve, int(port), upstream_url, host or "127.0.0.1"
+    )
+    if failure is not None:
+        print(f"{name}: {failure}", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def _serve_until_signal(
+    name: str, serve: RelayServe, port: int, upstream_url: str, host: str
+) -> str | None:
     """Serve until SIGTERM or SIGINT; why it could not start, if it could not."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             try:
-                bound = await nursery.start(partial(serve_floor, port, upstream_url, host=host))
+                bound = await nursery.start(partial(serve, port, upstream_url, host=host))
             except OSError as exc:
                 return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-            print(f"floor: relaying {host}:{bound} to {upstream_url}", file=sys.stderr)
+            print(f"{name}: relaying {host}:{bound} to {upstream_url}", file=sys.stderr)
             async for _ in signals:
                 nursery.cancel_scope.cancel()
                 break
@@ -392,21 +422,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the relay until SIGTERM or SIGINT (exit 0); 2 for a wrong command line or a port
     that cannot be bound."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    host, colon, port = str(args.bind).rpartition(":")
-    try:
-        if not colon or not port.isdigit():
-            raise ValueError(f"--bind: expected HOST:PORT, got {args.bind!r}")
-        upstream_address(args.upstream)
-    except ValueError as exc:
-        print(f"floor: {exc}", file=sys.stderr)
-        return 2
-    failure = trio.run(_serve_until_signal, int(port), args.upstream, host or "127.0.0.1")
-    if failure is not None:
-        print(f"floor: {failure}", file=sys.stderr)
-        return 2
-    return 0
+    args = _parser().parse_args(argv)
+    return run_relay("floor", str(args.bind), args.upstream, serve_floor)
 
 
 if __name__ == "__main__":

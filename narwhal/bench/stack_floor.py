@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -36,7 +35,7 @@ import httpx
 import trio
 from hypercorn.trio import serve as hypercorn_serve
 
-from narwhal.bench.floor import upstream_address
+from narwhal.bench.floor import run_relay, upstream_address
 from narwhal.server import hypercorn_config, lifespan, listening
 from narwhal.upstream.transport import EngineTransport
 from narwhal.web.http11 import Connections
@@ -195,25 +194,6 @@ def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-async def _serve_until_signal(port: int, upstream_url: str, host: str, front: Front) -> str | None:
-    """Serve until SIGTERM or SIGINT; why it could not start, if it could not."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            serving = partial(serve_stack_floor, port, upstream_url, front=front, host=host)
-            try:
-                bound = await nursery.start(serving)
-            except OSError as exc:
-                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-            print(
-                f"stack floor: {front} front, relaying {host}:{bound} to {upstream_url}",
-                file=sys.stderr,
-            )
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
-    return None
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m narwhal.bench.stack_floor",
@@ -236,22 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the relay until SIGTERM or SIGINT (exit 0); 2 for a wrong command line or a port
     that cannot be bound."""
     args = _parser().parse_args(argv)
-    host, colon, port = str(args.bind).rpartition(":")
-    try:
-        if not colon or not port.isdigit():
-            raise ValueError(f"--bind: expected HOST:PORT, got {args.bind!r}")
-        upstream_address(args.upstream)
-    except ValueError as exc:
-        print(f"stack floor: {exc}", file=sys.stderr)
-        return 2
     logging.basicConfig(level=logging.WARNING)
-    failure = trio.run(
-        _serve_until_signal, int(port), args.upstream, host or "127.0.0.1", args.front
-    )
-    if failure is not None:
-        print(f"stack floor: {failure}", file=sys.stderr)
-        return 2
-    return 0
+    serve = partial(serve_stack_floor, front=args.front)
+    return run_relay("stack floor", str(args.bind), args.upstream, serve)
 
 
 if __name__ == "__main__":

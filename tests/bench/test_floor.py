@@ -232,7 +232,11 @@ async def test_a_client_leaving_mid_stream_does_not_end_the_floor(relay: Relay) 
 async def test_the_floor_process_exits_0_on_sigterm(relay: Relay) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "narwhal.bench.floor", "--bind", f"127.0.0.1:{port}"]
-    argv += ["--upstream", relay.engine]
+    await exits_0_on_sigterm([*argv, "--upstream", relay.engine], port)
+
+
+async def exits_0_on_sigterm(argv: list[str], port: int) -> None:
+    """The relay process of ``argv`` answers ``/health`` on ``port``, then exits 0 on SIGTERM."""
     with trio.fail_after(DEADLINE_S):
         process = await trio.lowlevel.open_process(argv)
         try:

@@ -4,7 +4,6 @@ and ``--stack-floor`` in ``narwhal bench overhead``'s command line and report.""
 
 from __future__ import annotations
 
-import signal
 import sys
 from collections.abc import AsyncIterator
 from functools import partial
@@ -21,7 +20,7 @@ from narwhal.bench.report import LevelReport, OverheadReport
 from narwhal.bench.services import free_port
 from narwhal.bench.stack_floor import FRONTS, Front, main, serve_stack_floor
 from narwhal.sim import SimEngine, profile, serve_sim
-from tests.bench.test_floor import chat, payloads
+from tests.bench.test_floor import chat, exits_0_on_sigterm, payloads
 from tests.bench.test_report import result
 
 MODEL = "llama-3.1-8b-instruct"
@@ -93,23 +92,7 @@ async def test_the_stack_floor_process_exits_0_on_sigterm(relay: Relay) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "narwhal.bench.stack_floor", "--bind", f"127.0.0.1:{port}"]
     argv += ["--upstream", relay.engine, "--front", relay.front]
-    with trio.fail_after(DEADLINE_S):
-        process = await trio.lowlevel.open_process(argv)
-        try:
-            async with httpx.AsyncClient(trust_env=False) as client:
-                while True:
-                    try:
-                        health = await client.get(f"http://127.0.0.1:{port}/health")
-                        break
-                    except httpx.TransportError:
-                        await trio.sleep(0.05)  # polling until it listens, under fail_after
-            assert health.status_code == 200
-            process.send_signal(signal.SIGTERM)
-            assert await process.wait() == 0
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+    await exits_0_on_sigterm(argv, port)
 
 
 def test_the_stack_floor_refuses_a_bad_command_line(capsys: pytest.CaptureFixture[str]) -> None:
