@@ -57,14 +57,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import attrs
 
 from narwhal.bench.load import percentile
 
-if TYPE_CHECKING:
-    from narwhal.sim.batching import BatchSeq, BatchStep
+# The engine's own accounting lives with the engine (``narwhal sim --ledger`` keeps it too);
+# re-exported here, where the benchmark's arithmetic is.
+from narwhal.sim.ledger import CostModel, charge_step
 
 __all__ = [
     "ENGINE_BUSY",
@@ -182,39 +183,6 @@ def outcome_label(outcome: Outcome) -> str:
     return f"{outcome.status} {outcome.code}" if outcome.code else str(outcome.status)
 
 
-class CostModel(Protocol):
-    """What :func:`engine_seconds` asks of an engine's physics (milliseconds of engine time).
-
-    The simulated engines' own :class:`~narwhal.sim.calibration.EngineType` answers it (the
-    truth the benchmark weighs work with), and so does the router's
-    :class:`~narwhal.scheduling.profiles.EngineProfile` (tests that count by hand).
-    """
-
-    @property
-    def max_num_seqs(self) -> int:
-        """The most sequences in the running batch."""
-        ...
-
-    @property
-    def decode_base_ms(self) -> float:
-        """Fixed cost of a decode step."""
-        ...
-
-    @property
-    def decode_per_seq_ms(self) -> float:
-        """Cost per decoding sequence."""
-        ...
-
-    @property
-    def decode_per_kv_token_ms(self) -> float:
-        """Cost per context token held by the decoding sequences."""
-        ...
-
-    def prefill_chunk_ms(self, start: int, end: int) -> float:
-        """The variable cost of prefilling positions ``start .. end`` inside a step."""
-        ...
-
-
 def engine_parts(costs: CostModel, prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
     """:func:`engine_seconds` in its two parts: the prefill's and the decode's, in seconds."""
     prefill_ms = costs.prefill_chunk_ms(0, prompt_tokens)
@@ -328,33 +296,6 @@ def safe_ratio(numerator: float | None, denominator: float | None) -> float | No
 def bound(offered: float, capacity: float) -> float:
     """``min(offered, capacity)``: the most in-budget work any policy can deliver."""
     return min(offered, capacity)
-
-
-def charge_step(
-    costs: CostModel, step: BatchStep, duration_s: float
-) -> list[tuple[BatchSeq, float]]:
-    """What one engine step charges each request in it, in seconds of its engine time.
-
-    Each decoding sequence is charged its share of a full batch: ``a_d / max_num_seqs + s_d +
-    k_d`` times its context (its prompt and the tokens it has generated, as the step counted
-    them); each prefill chunk its ``prefill_chunk_ms``. The charges are in the step's real time
-    (``duration_s`` over its cost: the engine's scale, jitter and slowdown) and, should the
-    cost model charge more than the step cost, cut down to it: a step never charges more than
-    it lasted. What is left (empty seats, a prefill-only step's fixed cost) is overhead, charged
-    to nobody. Call it before the step's sequences advance (as the step loop's ledger is).
-    """
-    charges: list[tuple[BatchSeq, float]] = []
-    seat = costs.decode_base_ms / max(1, costs.max_num_seqs) + costs.decode_per_seq_ms
-    per_kv = costs.decode_per_kv_token_ms
-    for seq in step.decodes:
-        charges.append((seq, seat + per_kv * (seq.prompt_tokens + seq.emitted)))
-    for chunk in step.chunks:
-        charges.append((chunk.seq, costs.prefill_chunk_ms(chunk.start, chunk.end)))
-    charged = sum(ms for _, ms in charges)
-    if charged <= 0 or step.cost_ms <= 0 or duration_s <= 0:
-        return [(seq, 0.0) for seq, _ in charges]
-    per_ms = duration_s / max(step.cost_ms, charged)
-    return [(seq, ms * per_ms) for seq, ms in charges]
 
 
 class StepRecord(NamedTuple):

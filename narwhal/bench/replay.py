@@ -385,7 +385,8 @@ class _EngineLedger:
         self._ledger = ledger
         self._costs = costs
 
-    def submitted(self, seq: BatchSeq) -> None:
+    def submitted(self, seq: BatchSeq, request_id: str | None) -> None:
+        # The request's own task context says whose it is; its X-Request-Id is not needed.
         probe = _PROBE.get()
         if probe is not None:
             probe.ran = True

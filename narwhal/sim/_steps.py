@@ -8,9 +8,11 @@ second Trio run forgets the requests of the first (their streams died with it) a
 task there.
 
 A :class:`StepLedger` set on the loop (:meth:`narwhal.sim.SimEngine.watch_steps`) is told of every
-request submitted and of every step when it has run (its start and its engine time), before its
-sequences advance: the benchmark's account of the engine time each request was given. Unset (the
-default) it costs one test per step and per request.
+request submitted (with its ``X-Request-Id``, when it came with one) and of every step when it has
+run (its start and its engine time), before its sequences advance: the benchmark's account of the
+engine time each request was given (in virtual time the benchmark's own; in a ``narwhal sim
+--ledger`` process :class:`narwhal.sim.ledger.SimLedger`). Unset (the default) it costs one test
+per step and per request.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ __all__ = ["StepLedger", "StepLoop"]
 class StepLedger(Protocol):
     """What a step loop tells an observer of the engine time it spends (see the module doc)."""
 
-    def submitted(self, seq: BatchSeq) -> None:
-        """``seq`` joined the loop's queue (called in the submitting task)."""
+    def submitted(self, seq: BatchSeq, request_id: str | None) -> None:
+        """``seq`` joined the loop's queue (called in the submitting task); ``request_id`` is
+        the ``X-Request-Id`` its request came with (``None``: none)."""
         ...
 
     def stepped(self, step: BatchStep, start: float, duration_s: float) -> None:
@@ -69,12 +72,15 @@ class StepLoop:
         self._wake: trio.Event | None = None
         self._waiters: dict[int, tuple[int, trio.Event]] = {}
 
-    def submit(self, prompt_tokens: int, output_tokens: int) -> BatchSeq:
-        """Queue a request for the batch (and start the loop if this run has none yet)."""
+    def submit(
+        self, prompt_tokens: int, output_tokens: int, request_id: str | None = None
+    ) -> BatchSeq:
+        """Queue a request for the batch (and start the loop if this run has none yet);
+        ``request_id`` tags it for the ledger."""
         self._attach()
         seq = self.batcher.submit(prompt_tokens, output_tokens)
         if self.ledger is not None:
-            self.ledger.submitted(seq)
+            self.ledger.submitted(seq, request_id)
         if self._wake is not None:
             self._wake.set()
         return seq

@@ -40,7 +40,10 @@ Run-time switches, as methods and as routes of every shell: ``POST /sim/directiv
 object: the engine-wide directives, :meth:`SimEngine.set_directives`), ``POST /sim/slowdown``
 (``{"factor": 2.0}``: step and frame times are multiplied by 2 from now on,
 :meth:`SimEngine.set_slowdown`; with ``"after_s": 30``, from 30 seconds on,
-:meth:`SimEngine.schedule_slowdown`) and ``GET /sim/state`` (:meth:`SimEngine.statistics` as JSON).
+:meth:`SimEngine.schedule_slowdown`), ``GET /sim/state`` (:meth:`SimEngine.statistics` as JSON)
+and ``GET /sim/ledger`` (the engine's step ledger, :class:`narwhal.sim.ledger.SimLedger`, when one
+is set on its step loop, as ``narwhal sim --ledger`` does; otherwise a 404 in the dialect's error
+shape saying to start it with ``--ledger``).
 
 Dialects: ``vllm`` (0.32, from real answers in ``tests/sim/captures/`` and vLLM's source: finish
 on the last token's chunk, ``token_ids`` and ``prompt_token_ids`` with ``return_token_ids``,
@@ -169,6 +172,7 @@ from narwhal.sim._request import (
     validation_error,
 )
 from narwhal.sim._steps import StepLedger, StepLoop
+from narwhal.sim.ledger import SimLedger
 from narwhal.sim.timing import PROFILES, StepTiming, TimingModel
 
 __all__ = [
@@ -196,6 +200,7 @@ _ADMIN_ROUTES: Mapping[str, str] = {
     "/sim/directives": "POST",
     "/sim/slowdown": "POST",
     "/sim/state": "GET",
+    "/sim/ledger": "GET",
 }
 _SSE_HEADERS = (("content-type", "text/event-stream; charset=utf-8"),)
 _JSON_HEADERS = (("content-type", "application/json"),)
@@ -346,6 +351,8 @@ class SimPlan:
         prompt_tokens: the prompt's size (0 for errors and info routes).
         output_tokens: the tokens generated (0 for errors and info routes).
         first_token_s: when the first token comes on the per-request clock (0 for errors).
+        request_id: the ``X-Request-Id`` the request came with, which tags it in the step
+            loop's ledger (``None``: none; errors and info routes have none).
     """
 
     status: int
@@ -360,6 +367,7 @@ class SimPlan:
     prompt_tokens: int = 0
     output_tokens: int = 0
     first_token_s: float = 0.0
+    request_id: str | None = None
 
     @property
     def body(self) -> bytes:
@@ -731,7 +739,8 @@ class SimEngine:
         if self.api_key is not None and not self._authorized(method, path, headers):
             return _immediate(401, _UNAUTHORIZED, _JSON_HEADERS)
         if path in _ADMIN_ROUTES:
-            if method != _ADMIN_ROUTES[path] and not (method == "HEAD" and path == "/sim/state"):
+            wanted = _ADMIN_ROUTES[path]
+            if method != wanted and not (method == "HEAD" and wanted == "GET"):
                 return self._not_found(method, path, 405)
             return self._admin(path, raw)
         if path in _ROUTES:
@@ -812,7 +821,8 @@ class SimEngine:
             body: the request's JSON object.
             created: the ``created`` timestamp to report; default :data:`DEFAULT_CREATED`.
             request_id: the ``X-Request-Id`` header: the vLLM dialect answers with
-                ``chatcmpl-<it>`` (``cmpl-<it>``) as the ``id``.
+                ``chatcmpl-<it>`` (``cmpl-<it>``) as the ``id``, and it tags the request in
+                the step loop's ledger (:attr:`SimPlan.request_id`).
 
         Returns:
             The plan: an error, a timed SSE stream, or a non-streaming JSON body.
@@ -853,8 +863,8 @@ class SimEngine:
         batched = self._steps is not None and not overridden
         clock = self._clock(answer)
         if request.stream:
-            return self._stream_plan(answer, clock, batched)
-        return self._body_plan(answer, clock, batched)
+            return self._stream_plan(answer, clock, batched, request_id)
+        return self._body_plan(answer, clock, batched, request_id)
 
     def models_body(self, *, created: int | None = None) -> bytes:
         """The ``/v1/models`` answer: an OpenAI list holding the one model.
@@ -940,7 +950,7 @@ class SimEngine:
         progress: Callable[[int], Awaitable[None]] | None = None
         if plan.batched and self._steps is not None:
             steps = self._steps
-            seq = steps.submit(plan.prompt_tokens, plan.output_tokens)
+            seq = steps.submit(plan.prompt_tokens, plan.output_tokens, plan.request_id)
             progress = partial(steps.wait_for, seq)
 
             def left(state: StreamState) -> None:
@@ -1045,6 +1055,8 @@ class SimEngine:
     # --- admin routes -------------------------------------------------------------------------
 
     def _admin(self, path: str, raw: bytes) -> SimPlan:
+        if path == "/sim/ledger":
+            return self._ledger_plan()
         try:
             if path == "/sim/directives":
                 self._set_directives_from(raw)
@@ -1059,6 +1071,19 @@ class SimEngine:
             "directives": dict(self._directives),
         }
         return _immediate(200, orjson.dumps(state), _JSON_HEADERS)
+
+    def _ledger_plan(self) -> SimPlan:
+        ledger = None if self._steps is None else self._steps.ledger
+        if not isinstance(ledger, SimLedger):
+            failure = SimFailure(
+                404,
+                "this engine keeps no ledger: start it with `narwhal sim --ledger` (a profile "
+                "with a step loop)",
+                "NotFoundError",
+                None,
+            )
+            return _immediate(404, _shapes.error_body(self.dialect, failure), _JSON_HEADERS)
+        return _immediate(200, orjson.dumps(ledger.as_json()), _JSON_HEADERS)
 
     def _set_directives_from(self, raw: bytes) -> None:
         body = _admin_body(raw)
@@ -1134,7 +1159,9 @@ class SimEngine:
             clock.append(now)
         return clock
 
-    def _stream_plan(self, answer: Answer, clock: list[float], batched: bool) -> SimPlan:
+    def _stream_plan(
+        self, answer: Answer, clock: list[float], batched: bool, request_id: str | None
+    ) -> SimPlan:
         directives = answer.request.directives
         fault = directives.fault
         if fault in _LAZY_FAULTS:
@@ -1148,6 +1175,7 @@ class SimEngine:
                 prompt_tokens=answer.prompt_tokens,
                 output_tokens=answer.output_tokens,
                 first_token_s=clock[1],
+                request_id=request_id,
             )
         chunks = _shapes.stream_chunks(self.dialect, answer)
         if fault in _TOKEN_FAULTS or fault in _FIELD_FAULTS:
@@ -1178,9 +1206,12 @@ class SimEngine:
             prompt_tokens=answer.prompt_tokens,
             output_tokens=answer.output_tokens,
             first_token_s=clock[1],
+            request_id=request_id,
         )
 
-    def _body_plan(self, answer: Answer, clock: list[float], batched: bool) -> SimPlan:
+    def _body_plan(
+        self, answer: Answer, clock: list[float], batched: bool, request_id: str | None
+    ) -> SimPlan:
         directives = answer.request.directives
         fault = directives.fault
         body = _shapes.response_body(self.dialect, answer)
@@ -1215,6 +1246,7 @@ class SimEngine:
             prompt_tokens=answer.prompt_tokens,
             output_tokens=answer.output_tokens,
             first_token_s=clock[1],
+            request_id=request_id,
         )
 
 

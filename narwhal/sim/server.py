@@ -5,11 +5,16 @@
 reported through ``task_status``). Routes: ``/health``, ``/v1/models``, ``/metrics`` (vLLM's gauge
 names), ``/version`` (vLLM dialect), ``/v1/chat/completions``, ``/v1/completions``, and the
 run-time switches
-``POST /sim/directives``, ``POST /sim/slowdown`` and ``GET /sim/state`` (see
-:mod:`narwhal.sim.engine`); every other route answers JSON (the dialect's 404 or 405).
+``POST /sim/directives``, ``POST /sim/slowdown`` and ``GET /sim/state``, and ``GET /sim/ledger``
+(see :mod:`narwhal.sim.engine`); every other route answers JSON (the dialect's 404 or 405).
 
 The GPU profiles run the engine's continuous-batching step loop in the server's Trio run, in real
-time (times ``--time-scale``).
+time (times ``--time-scale``). With ``--ledger`` the step loop keeps a
+:class:`~narwhal.sim.ledger.SimLedger`: each step charged to the requests in it, by their
+``X-Request-Id``, per second on ``time.monotonic`` (``GET /sim/ledger``; without ``--ledger`` that
+route is a 404 saying so). It is how ``narwhal bench admission --real-time`` reads the engine time
+each request got; it holds every request's figures for the life of the process, so it is a
+benchmark facility, not for a long-running engine.
 
 The server is also the zero-delay engine of the router-overhead benchmark, so a request does
 little beyond planning: frames with no delay are sent without any sleep, and there is no access
@@ -34,7 +39,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from narwhal.sim._request import DEFAULT_MAX_MODEL_LEN
+from narwhal.sim.calibration import EngineType
 from narwhal.sim.engine import SimConnectionDropped, SimEngine
+from narwhal.sim.ledger import SimLedger
 from narwhal.sim.timing import PROFILES, profile
 
 __all__ = ["create_sim_app", "main", "serve_sim"]
@@ -116,6 +123,7 @@ def create_sim_app(engine: SimEngine) -> QuartTrio:
         ("/sim/directives", "POST"),
         ("/sim/slowdown", "POST"),
         ("/sim/state", "GET"),
+        ("/sim/ledger", "GET"),
     ):
         app.add_url_rule(path, f"admin:{path}", admin, methods=[method])
     app.register_error_handler(404, not_found)
@@ -221,6 +229,13 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="relative amplitude of the seeded noise on each step, 0 to 1 (default: 0)",
     )
+    parser.add_argument(
+        "--ledger",
+        action="store_true",
+        help="keep the step ledger (GET /sim/ledger: engine time per request X-Request-Id and "
+        "per second); a benchmark facility: it holds every request's figures for the life of "
+        "the process",
+    )
     return parser
 
 
@@ -258,6 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         reasoning_parser=args.reasoning_parser,
         max_num_queued_tokens=args.max_num_queued_tokens,
     )
+    if args.ledger:
+        costs = getattr(engine.timing, "profile", None)
+        if not isinstance(costs, EngineType) or not engine.watch_steps(SimLedger(costs)):
+            print(
+                f"narwhal sim: --ledger needs a profile with a step loop, not {args.profile!r}",
+                file=sys.stderr,
+            )
+            return 2
 
     async def run() -> None:
         # Signals arrive through a receiver, not as KeyboardInterrupt: Trio may raise that in
@@ -270,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 print(
                     f"narwhal sim: {args.dialect} engine serving {args.model!r} "
-                    f"({args.profile}, time scale {args.time_scale:g}) at {url}",
+                    f"({args.profile}, time scale {args.time_scale:g}"
+                    f"{', ledger' if args.ledger else ''}) at {url}",
                     flush=True,
                 )
                 async for _ in signals:

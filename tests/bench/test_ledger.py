@@ -158,7 +158,7 @@ class _Recorder:
         self.seqs: list[BatchSeq] = []
         self.steps: list[tuple[BatchStep, float, float]] = []
 
-    def submitted(self, seq: BatchSeq) -> None:
+    def submitted(self, seq: BatchSeq, request_id: str | None) -> None:
         self.seqs.append(seq)
 
     def stepped(self, step: BatchStep, start: float, duration_s: float) -> None:

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-from narwhal.sim import SimEngine, profile, serve_sim
+from narwhal.sim import SimEngine, StepTiming, profile, serve_sim
+from narwhal.sim.calibration import EngineType
+from narwhal.sim.ledger import SimLedger
 from narwhal.sim.server import main
 from tests.sim.helpers import MESSAGES, MODEL, events
 
@@ -124,7 +128,9 @@ async def test_api_key_and_request_id_over_http(nursery: trio.Nursery) -> None:
     assert answer.headers["content-length"] == str(len(answer.content))  # not chunked
 
 
-def test_the_command_prints_its_url_and_stops_on_ctrl_c() -> None:
+@contextlib.contextmanager
+def _command(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``narwhal sim --bind 127.0.0.1:0 --model MODEL *args`` as a process, and its URL."""
     command = [
         sys.executable,
         "-c",
@@ -133,10 +139,7 @@ def test_the_command_prints_its_url_and_stops_on_ctrl_c() -> None:
         "127.0.0.1:0",
         "--model",
         MODEL,
-        "--dialect",
-        "sglang",
-        "--profile",
-        "zero",
+        *args,
     ]
     root = Path(__file__).resolve().parents[2]
     env = {
@@ -153,19 +156,65 @@ def test_the_command_prints_its_url_and_stops_on_ctrl_c() -> None:
             line = process.stdout.readline()
             url = line.rsplit(" ", 1)[-1].strip()
             assert url.startswith("http://127.0.0.1:"), line
-            response = httpx.post(
-                f"{url}/v1/chat/completions",
-                json={"messages": MESSAGES, "narwhal_sim": {"output_tokens": 2}},
-                timeout=DEADLINE_S,
-            )
-            assert response.json()["usage"]["completion_tokens"] == 2
-            assert response.json()["choices"][0]["matched_stop"] == 151645
-            process.send_signal(signal.SIGINT)
-            _, errors = process.communicate(timeout=DEADLINE_S)
-            assert process.returncode == 0, errors
+            yield process, url
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+def test_the_command_prints_its_url_and_stops_on_ctrl_c() -> None:
+    with _command("--dialect", "sglang", "--profile", "zero") as (process, url):
+        response = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": MESSAGES, "narwhal_sim": {"output_tokens": 2}},
+            timeout=DEADLINE_S,
+        )
+        assert response.json()["usage"]["completion_tokens"] == 2
+        assert response.json()["choices"][0]["matched_stop"] == 151645
+        process.send_signal(signal.SIGINT)
+        _, errors = process.communicate(timeout=DEADLINE_S)
+        assert process.returncode == 0, errors
+
+
+def test_the_command_keeps_a_ledger_by_request_id_with_ledger() -> None:
+    with _command("--ledger", "--time-scale", "0.1") as (process, url):
+        before = time.monotonic()
+        response = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": MESSAGES, "narwhal_sim": {"output_tokens": 4}},
+            headers={"X-Request-Id": "tagged"},
+            timeout=DEADLINE_S,
+        )
+        after = time.monotonic()
+        ledger = httpx.get(f"{url}/sim/ledger", timeout=DEADLINE_S).json()
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=DEADLINE_S)
+    assert response.status_code == 200
+    assert (ledger["clock"], ledger["bucket_s"], ledger["steps"]) == ("time.monotonic", 1.0, 4)
+    # On this process's clock too: the steps ran while the request was answered.
+    buckets = [int(bucket) for bucket in ledger["busy_s"]]
+    assert int(before) <= min(buckets) and max(buckets) <= int(after)
+    charged = sum(ledger["charged_s"]["tagged"].values())
+    assert 0 < charged <= sum(ledger["busy_s"].values()) <= after - before
+
+
+async def test_the_ledger_route_over_http(nursery: trio.Nursery, url: str) -> None:
+    timing = profile("h100-llama3-8b", time_scale=0.1)
+    assert isinstance(timing, StepTiming) and isinstance(timing.profile, EngineType)
+    engine = SimEngine(MODEL, timing=timing)
+    engine.watch_steps(SimLedger(timing.profile))
+    chat = {"model": MODEL, "messages": MESSAGES, "narwhal_sim": {"output_tokens": 3}}
+    with trio.fail_after(DEADLINE_S):
+        ledgered: str = await nursery.start(serve_sim, engine, "127.0.0.1:0")
+        async with httpx.AsyncClient() as client:
+            await client.post(
+                f"{ledgered}/v1/chat/completions", json=chat, headers={"X-Request-Id": "r1"}
+            )
+            kept = await client.get(f"{ledgered}/sim/ledger")
+            missing = await client.get(f"{url}/sim/ledger")
+    assert kept.status_code == 200 and list(kept.json()["charged_s"]) == ["r1"]
+    assert missing.status_code == 404
+    assert "--ledger" in missing.json()["error"]["message"]
 
 
 def test_the_command_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,3 +224,5 @@ def test_the_command_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -
     assert "h100-llama3-8b" in capsys.readouterr().err
     assert main(["--bind", "127.0.0.1:0", "--model", MODEL, "--max-model-len", "0"]) == 2
     assert "--max-model-len must be at least 1" in capsys.readouterr().err
+    assert main(["--bind", "127.0.0.1:0", "--model", MODEL, "--ledger", "--profile", "zero"]) == 2
+    assert "--ledger needs a profile with a step loop, not 'zero'" in capsys.readouterr().err
