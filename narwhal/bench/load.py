@@ -351,7 +351,9 @@ class ClientPool:
         """Clients created so far."""
         return len(self._all)
 
-    async def send(self, url: str, body: bytes, index: int) -> RequestRecord:
+    async def send(
+        self, url: str, body: bytes, index: int, *, request_id: str | None = None
+    ) -> RequestRecord:
         """:func:`send_one` on an idle client (a new one when none is idle)."""
         if self._idle:
             client = self._idle.pop()
@@ -359,7 +361,7 @@ class ClientPool:
             client = self._factory()
             self._all.append(client)
         try:
-            return await send_one(client, url, body, index)
+            return await send_one(client, url, body, index, request_id=request_id)
         finally:
             self._idle.append(client)
             self._returned_at[client] = trio.current_time()
@@ -412,12 +414,23 @@ def chat_body(
     )
 
 
-async def send_one(client: httpx.AsyncClient, url: str, body: bytes, index: int) -> RequestRecord:
-    """Send one streaming request and time its response; never raises for HTTP failures."""
+async def send_one(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    index: int,
+    *,
+    request_id: str | None = None,
+) -> RequestRecord:
+    """Send one streaming request and time its response; never raises for HTTP failures.
+
+    ``request_id``: sent as its ``X-Request-Id`` (Narwhal passes it on to the engine).
+    """
+    headers = _HEADERS if request_id is None else {**_HEADERS, "x-request-id": request_id}
     sent = time.perf_counter()
     timer = StreamTimer(index, sent)
     try:
-        async with client.stream("POST", url, content=body, headers=_HEADERS) as response:
+        async with client.stream("POST", url, content=body, headers=headers) as response:
             if response.status_code != 200:
                 raw = b""
                 async for chunk in response.aiter_raw():
@@ -476,12 +489,16 @@ async def run_open_loop(
     arrivals_s: Iterable[float],
     max_in_flight: int,
     first_index: int = 0,
+    request_ids: str | None = None,
 ) -> list[RequestRecord]:
     """Send one request at each arrival time (seconds from the start), whatever the responses do.
 
     An open loop must not slow down when the server does, so a request due while
     ``max_in_flight`` are already running is not delayed: it is recorded at once with the error
     ``loadgen_saturated`` (the load generator's limit, not the server's).
+
+    ``request_ids``: a prefix; request ``i`` is sent with ``X-Request-Id: <prefix><i>`` (``None``:
+    none is sent, and the server makes its own).
     """
     records: list[RequestRecord] = []
     in_flight = 0
@@ -490,8 +507,9 @@ async def run_open_loop(
 
     async def one(index: int) -> None:
         nonlocal in_flight
+        request_id = None if request_ids is None else f"{request_ids}{index}"
         try:
-            records.append(await clients.send(url, body_for(index), index))
+            records.append(await clients.send(url, body_for(index), index, request_id=request_id))
         finally:
             in_flight -= 1
 

@@ -156,9 +156,11 @@ class Engine:
         self.in_flight = 0
         self.most_in_flight = 0
         self.seen: list[int] = []
+        self.request_ids: list[tuple[int, str | None]] = []
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         self.seen.append(int(request.content.split(b"(request ")[1].split(b")")[0]))
+        self.request_ids.append((self.seen[-1], request.headers.get("x-request-id")))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -260,3 +262,16 @@ async def test_open_loop_keeps_its_schedule_when_the_server_is_slow(
     assert by_index[2].error == "loadgen_saturated"  # due while two were running: not delayed
     assert [by_index[i].ok for i in (0, 1, 3)] == [True, True, True]
     assert sorted(engine.seen) == [0, 1, 3]
+
+
+async def test_open_loop_tags_each_request_with_its_own_request_id(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = Engine(delay_s=1.0)
+    async with clients_for(engine) as clients:
+        with trio.fail_after(60):
+            await run_open_loop(
+                clients, "/x", body, arrivals_s=[0.0, 0.5], max_in_flight=2, request_ids="lvl-1-"
+            )
+            await run_open_loop(clients, "/x", body, arrivals_s=[0.0], max_in_flight=1)
+    assert engine.request_ids == [(0, "lvl-1-0"), (1, "lvl-1-1"), (0, None)]
