@@ -11,6 +11,21 @@ measurement divided by the scale.
 
 Before the measured loads, a short warm-up at half the capacity lets the router learn how much
 slower the engines are than their profile says (its prefill forecast's ``scale``).
+
+Engine work is read from the engines' own step ledgers, as in virtual time: the engines run with
+``--ledger`` (:class:`narwhal.sim.ledger.SimLedger`), every request is sent with its own
+``X-Request-Id`` (which Narwhal forwards to the engine), and after each measured load the
+benchmark fetches ``GET /sim/ledger`` from each engine and cuts it to the load's measurement
+window (:func:`ledger_in_window`, :func:`ledgered_figures`): each request's charge inside the
+window is its ``engine_work_s``, and the engines' busy time is the ledger's. The ledger is on
+``time.monotonic``, the load generator on ``time.perf_counter``; both are sampled together once to
+put the window on the ledger's clock. The engine seconds are the engines' wall seconds: a step
+lasts ``time_scale`` times its calibrated cost and is charged that, so an engine is still busy at
+most one second per second, and the bound's capacity is the engines' count: goodput <= charged
+<= busy <= engines, by construction. Requests that never ran (refused) are weighed by the cost
+model times the time scale, in the same unit. Before the ledger, engine work here was the cost
+model's estimate spread over each request's life against the capacity loop's cost-model rate,
+and a policy could beat that bound (102.4 % at 2x at ``6832923``).
 """
 
 from __future__ import annotations
@@ -19,11 +34,12 @@ import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import trio
 
 from narwhal.bench import load
@@ -33,6 +49,7 @@ from narwhal.bench.goodput import (
     Check,
     Outcome,
     ReplayFigures,
+    Window,
     Work,
     evaluate,
     overall_verdict,
@@ -44,7 +61,15 @@ from narwhal.bench.trace import TraceRequest, load_trace, scale_to_rate
 from narwhal.config import Config, EngineConfig, config_to_toml
 from narwhal.sim.calibration import engine_type
 
-__all__ = ["RealtimeReport", "RealtimeSettings", "outcome_of", "run_realtime"]
+__all__ = [
+    "EngineLedger",
+    "RealtimeReport",
+    "RealtimeSettings",
+    "ledger_in_window",
+    "ledgered_figures",
+    "outcome_of",
+    "run_realtime",
+]
 
 Echo = Callable[[str], None]
 
@@ -92,19 +117,25 @@ class RealtimeSettings:
 
     @property
     def scaled_capacity(self) -> Capacity:
-        """The capacity of the slowed engines. Real time has no step ledger (the engines are
-        other processes): goodput is weighed with the cost model, so its bound is the cost
-        model's rate, with that rate's noise (``engines`` 0)."""
-        capacity = self.capacity
-        rate = capacity.model_s_per_s or capacity.engine_s_per_s
-        noise = capacity.model_noise if capacity.model_s_per_s else capacity.noise
+        """The capacity of the slowed engines: the load axis's request rate over the time
+        scale; in engine time the engines' count, as in virtual time. The engines' ledgers
+        count the wall seconds their steps last (``time_scale`` times the calibrated cost), and
+        an engine is busy at most one of them a second: an exact bound, no noise allowed for.
+        The rates in engine-seconds per second do not change with the scale (a request weighs
+        ``time_scale`` times as much, the engines do a ``time_scale``-th as many a second)."""
         return attrs.evolve(
-            capacity,
-            rps=capacity.rps / self.time_scale,
-            engine_s_per_s=rate / self.time_scale,
-            engines=0,
-            noise=noise,
+            self.capacity,
+            rps=self.capacity.rps / self.time_scale,
+            engines=len(self.router.engines),
         )
+
+    def work(self) -> Work:
+        """How a request that never ran is weighed: its cost on each engine's type (``narwhal
+        sim --profile``: the nominal type, no variation), times the time scale, so in the
+        ledgers' unit (wall seconds of the slowed engines)."""
+        costs = engine_type(self.profile)
+        count = len(self.router.engines)
+        return Work(((costs, self.time_scale),) * count, (costs.name,) * count)
 
     def as_json(self) -> dict[str, Any]:
         """Plain values for the JSON report."""
@@ -116,6 +147,8 @@ class RealtimeSettings:
             "budget_s": self.budget_s,
             "router_budget_s": self.budget_s * self.time_scale,
             "capacity_rps": self.scaled_capacity.rps,
+            "engine_time": "wall seconds of the slowed engines, from their step ledgers "
+            "(narwhal sim --ledger)",
             "profile": self.profile,
             "trace": self.trace,
             "engines": len(self.router.engines),
@@ -179,6 +212,122 @@ def outcome_of(record: load.RequestRecord, row: TraceRequest, origin: float) -> 
     )
 
 
+@attrs.frozen
+class EngineLedger:
+    """One engine's step ledger, as ``GET /sim/ledger`` answers it
+    (:meth:`narwhal.sim.ledger.SimLedger.as_json`).
+
+    Attributes:
+        bucket_s: the buckets' length; bucket ``k`` is ``[k * bucket_s, (k + 1) * bucket_s)``
+            on ``time.monotonic``.
+        busy_s: the engine's busy seconds, by bucket.
+        charged_s: each request tag's charged seconds, by bucket (a tag with none: it was
+            submitted and no step charged it yet).
+    """
+
+    bucket_s: float
+    busy_s: Mapping[int, float]
+    charged_s: Mapping[str, Mapping[int, float]]
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any]) -> EngineLedger:
+        """From the route's JSON.
+
+        Raises:
+            ValueError: it is not a ledger on ``time.monotonic``.
+        """
+        if data.get("clock") != "time.monotonic":
+            raise ValueError(f"not a ledger on time.monotonic: clock {data.get('clock')!r}")
+        return cls(
+            bucket_s=float(data["bucket_s"]),
+            busy_s={int(bucket): float(s) for bucket, s in data["busy_s"].items()},
+            charged_s={
+                tag: {int(bucket): float(s) for bucket, s in account.items()}
+                for tag, account in data["charged_s"].items()
+            },
+        )
+
+
+def ledger_in_window(
+    ledgers: Sequence[EngineLedger], window: Window
+) -> tuple[dict[str, float], float, float]:
+    """The engines' ledgers cut to ``window`` (on the ledgers' clock): each tag's charge inside
+    it (summed over the engines; every tag a ledger holds, 0 for one charged only outside), and
+    the engines' busy and charged seconds inside it.
+
+    A bucket counts by its share inside the window (its time spread evenly over it), its busy
+    time and its charges alike, so the charges inside are at most the busy time inside, which
+    is at most the window's length per engine (a bucket is busy at most its length).
+    """
+    charges: dict[str, float] = {}
+    busy = charged = 0.0
+    for ledger in ledgers:
+        size = ledger.bucket_s
+        shares: dict[int, float] = {}
+
+        def share(bucket: int, size: float = size, shares: dict[int, float] = shares) -> float:
+            value = shares.get(bucket)
+            if value is None:
+                value = shares[bucket] = window.share(bucket * size, size)
+            return value
+
+        busy += sum(seconds * share(bucket) for bucket, seconds in ledger.busy_s.items())
+        for tag, account in ledger.charged_s.items():
+            inside = sum(seconds * share(bucket) for bucket, seconds in account.items())
+            charges[tag] = charges.get(tag, 0.0) + inside
+            charged += inside
+    return charges, busy, charged
+
+
+def ledgered_figures(
+    tagged: Sequence[tuple[str, Outcome]],
+    ledgers: Sequence[EngineLedger],
+    *,
+    clock_s: float,
+    load: float,
+    budget_s: float,
+    offered_rps: float,
+    capacity: Capacity,
+    work: Work,
+    warmup_fraction: float,
+    wall_s: float = 0.0,
+) -> ReplayFigures:
+    """One load's figures, engine work read from the engines' ledgers (pure).
+
+    ``tagged``: each outcome with the ``X-Request-Id`` it was sent with; ``clock_s``: the
+    ledgers' clock (``time.monotonic``) at the outcomes' time 0. Each outcome's
+    ``engine_work_s`` is its tag's charge inside the measurement window (:meth:`Window.of` the
+    outcomes), ``None`` for a tag no engine took (it never ran: ``work`` weighs it); the
+    engines' busy and charged time per second of the window are the ledgers'.
+    """
+    outcomes = [outcome for _, outcome in tagged]
+    window = Window.of(outcomes, warmup_fraction)
+    on_clock = Window(window.start_s + clock_s, window.end_s + clock_s)
+    charges, busy, charged = ledger_in_window(ledgers, on_clock)
+    ledgered = sorted(
+        (attrs.evolve(outcome, engine_work_s=charges.get(tag)) for tag, outcome in tagged),
+        key=lambda outcome: outcome.arrival_s,
+    )
+    figure = figures_of(
+        ledgered,
+        load=load,
+        mode="predictive",
+        budget_s=budget_s,
+        offered_rps=offered_rps,
+        capacity=capacity,
+        work=work,
+        window=window,
+        wall_s=wall_s,
+        virtual_s=wall_s,
+    )
+    length = window.length_s
+    return attrs.evolve(
+        figure,
+        busy_engine=busy / length if length > 0 else 0.0,
+        work_engine=charged / length if length > 0 else 0.0,
+    )
+
+
 def run_realtime(settings: RealtimeSettings, *, echo: Echo = print) -> RealtimeReport:
     """Start the processes, replay each load, stop the processes, and return the report.
 
@@ -192,8 +341,8 @@ def run_realtime(settings: RealtimeSettings, *, echo: Echo = print) -> RealtimeR
             log_dir.mkdir(parents=True, exist_ok=True)
         else:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nwadm-")))
-        router = _start(settings, log_dir, stack, echo)
-        runs = trio.run(_measure, settings, router.url, echo)
+        router, engines = _start(settings, log_dir, stack, echo)
+        runs = trio.run(_measure, settings, router.url, engines, echo)
     # Its own targets: the loads it runs, no false refusals, prediction or memory (virtual time).
     bar = Bar(
         goodput_loads=settings.loads,
@@ -212,7 +361,8 @@ def run_realtime(settings: RealtimeSettings, *, echo: Echo = print) -> RealtimeR
 
 def _start(
     settings: RealtimeSettings, log_dir: Path, stack: contextlib.ExitStack, echo: Echo
-) -> Service:
+) -> tuple[Service, list[str]]:
+    """Start the engines and the router; return the router and the engines' URLs."""
     model = settings.router.serving.model
     engines = []
     for index, engine in enumerate(settings.router.engines):
@@ -221,6 +371,7 @@ def _start(
         argv = [sys.executable, "-m", "narwhal", "sim", "--bind", f"127.0.0.1:{port}"]
         argv += ["--model", model, "--dialect", engine.dialect, "--profile", settings.profile]
         argv += ["--seed", str(settings.seed + index), "--time-scale", f"{settings.time_scale:g}"]
+        argv += ["--ledger"]
         service = start_service(engine.name, argv, url=url, log_dir=log_dir)
         stack.callback(service.stop)
         engines.append((engine, service))
@@ -231,7 +382,7 @@ def _start(
         )
     echo(
         f"real time: {len(engines)} engines (narwhal sim --profile {settings.profile} "
-        f"--time-scale {settings.time_scale:g}) ready"
+        f"--time-scale {settings.time_scale:g} --ledger) ready"
     )
     admission = attrs.evolve(
         settings.router.admission,
@@ -263,21 +414,29 @@ def _start(
         f"real time: narwhal ready on {router.url} (predictive, budget "
         f"{settings.budget_s * settings.time_scale:g} s)"
     )
-    return router
+    return router, [service.url for _, service in engines]
 
 
-async def _measure(settings: RealtimeSettings, url: str, echo: Echo) -> list[ReplayFigures]:
+async def _measure(
+    settings: RealtimeSettings, url: str, engines: Sequence[str], echo: Echo
+) -> list[ReplayFigures]:
     rows = load_trace(settings.trace)
     capacity = settings.scaled_capacity
     budget = settings.budget_s * settings.time_scale
-    work = Work.of(engine_type(settings.profile))  # what `narwhal sim --profile` runs
+    work = settings.work()
     model = settings.router.serving.model
+    # The load generator's times (time.perf_counter) on the ledgers' clock (time.monotonic):
+    # both read together, once.
+    to_monotonic = -time.perf_counter() + time.monotonic()
     figures: list[ReplayFigures] = []
     position = 0
-    async with load.ClientPool(timeout_s=600.0) as clients:
+    async with (
+        load.ClientPool(timeout_s=600.0) as clients,
+        httpx.AsyncClient(timeout=60.0, trust_env=False) as admin,
+    ):
         levels = [(0.5, settings.warmup_s, False)]
         levels += [(level, settings.duration_s, True) for level in settings.loads]
-        for level, duration, measured in levels:
+        for ordinal, (level, duration, measured) in enumerate(levels):
             if duration <= 0:
                 continue
             rate = capacity.rps * level
@@ -292,6 +451,7 @@ async def _measure(settings: RealtimeSettings, url: str, echo: Echo) -> list[Rep
             def body_for(number: int, scaled: list[TraceRequest] = scaled) -> bytes:
                 return chat_body(model, scaled[number], max_tokens=2048)
 
+            prefix = f"nwrt-{ordinal}-"  # each request's X-Request-Id: its ledger tag
             wall = time.perf_counter()
             records = await load.run_open_loop(
                 clients,
@@ -299,35 +459,47 @@ async def _measure(settings: RealtimeSettings, url: str, echo: Echo) -> list[Rep
                 body_for,
                 arrivals_s=[row.arrival_s for row in scaled],
                 max_in_flight=settings.max_in_flight,
+                request_ids=prefix,
             )
             wall = time.perf_counter() - wall
             if not measured:
                 echo(f"real time: warm-up at 0.5x done ({len(records)} requests, {wall:.0f} s)")
                 continue
+            # Every response has ended: every step of these requests is in the ledgers.
+            ledgers = []
+            for engine in engines:
+                answer = await admin.get(engine + "/sim/ledger")
+                answer.raise_for_status()
+                ledgers.append(EngineLedger.of(answer.json()))
             origin = min(record.sent_s for record in records)
-            outcomes = sorted(
-                (outcome_of(record, scaled[record.index], origin) for record in records),
-                key=lambda outcome: outcome.arrival_s,
-            )
-            figure = figures_of(
-                outcomes,
+            figure = ledgered_figures(
+                [
+                    (f"{prefix}{record.index}", outcome_of(record, scaled[record.index], origin))
+                    for record in records
+                ],
+                ledgers,
+                clock_s=origin + to_monotonic,
                 load=level,
-                mode="predictive",
                 budget_s=budget,
                 offered_rps=rate,
                 capacity=capacity,
                 work=work,
                 warmup_fraction=settings.warmup_fraction,
                 wall_s=wall,
-                virtual_s=wall,
             )
             figures.append(figure)
             echo(
                 f"real time: {level:g}x: {figure.offered} offered, "
                 f"{_pct(figure.admitted_fraction)} admitted, {_pct(figure.in_budget_fraction)} "
-                f"in budget, goodput {_pct(figure.goodput_ratio)} of bound ({wall:.0f} s)"
+                f"in budget, goodput {_pct(figure.goodput_engine_ratio)} of bound (engines busy "
+                f"{_number(figure.busy_engine)} engine-s/s, {_number(figure.work_engine)} "
+                f"charged; {wall:.0f} s)"
             )
     return figures
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _pct(value: float | None) -> str:

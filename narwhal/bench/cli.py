@@ -882,6 +882,10 @@ def _run_admission(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return 0 if passed else 1
 
 
+def _ledger_rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def admission_json(data: dict[str, Any]) -> bytes:
     """The admission benchmark's JSON file: indented, keys sorted, but each run's ``series``
     (what ``narwhal bench report`` plots) on one line: its per-request lists, one number a
@@ -937,8 +941,17 @@ def _real_time(
         f"{rt['time_scale']:g} behind narwhal serve (Hypercorn), predictive, budget "
         f"{rt['router_budget_s']:g} s ({rt['budget_s']:g} s x {rt['time_scale']:g}), capacity "
         f"{rt['capacity_rps']:.2f} req/s, {rt['duration_s']:g} s of load per level",
+        f"engine time: {rt['engine_time']}; the bound's capacity is the engines' count "
+        f"({rt['engines']} engine-s/s)",
         "",
         *render_runs(report.runs),
+        "",
+        *(
+            f"{run.load:g}x: goodput {_ledger_rate(run.goodput_engine)} <= charged "
+            f"{_ledger_rate(run.work_engine)} <= busy {_ledger_rate(run.busy_engine)} <= "
+            f"{rt['engines']} engine-s/s (the engines' ledgers, inside the window)"
+            for run in report.runs
+        ),
         "",
         *render_checks(report.checks),
         "",
