@@ -15,8 +15,10 @@ from narwhal.bench.admission_realtime import (
     RealtimeSettings,
     ledger_in_window,
     ledgered_figures,
+    realtime_checks,
 )
 from narwhal.bench.goodput import (
+    INCOMPLETE,
     Bar,
     Capacity,
     Outcome,
@@ -27,6 +29,7 @@ from narwhal.bench.goodput import (
     deadline_bound,
     evaluate,
     ledger_rates,
+    overall_verdict,
     replay_figures,
     work_in_window,
 )
@@ -411,6 +414,38 @@ def test_real_time_reads_each_requests_work_from_the_ledgers_inside_its_window()
     # Read a second off (the clocks not converted), the window takes other buckets.
     shifted = ledger_in_window([first, second], Window(1001.5, 1009.0))[0]
     assert shifted["t2"] == pytest.approx(0.8 + 0.2) and shifted["t0"] == pytest.approx(0.25)
+
+
+def test_real_time_checks_only_what_it_runs_so_that_it_can_pass() -> None:
+    # Predictive mode alone, no prediction or memory: every check it makes can run. (The
+    # baselines' checks, added to virtual time's bar, were NOT RUN here, and the verdict
+    # INCOMPLETE at best.)
+    tagged = [_sent(n, float(n)) for n in range(11)]
+    ledger = EngineLedger(1.0, {1000 + n: 0.9 for n in range(12)}, {"t5": {1005: 0.5}})
+    runs = [
+        ledgered_figures(
+            tagged,
+            [ledger],
+            clock_s=1000.0,
+            load=load,
+            budget_s=8.0,
+            offered_rps=1.0,
+            capacity=Capacity(rps=1.0, engine_s_per_s=2.0, engines=2),
+            work=TWO,
+            warmup_fraction=0.2,
+        )
+        for load in (1.0, 2.0)
+    ]
+    checks = realtime_checks(runs, (1.0, 2.0))
+    assert [check.name for check in checks] == [
+        "goodput / bound (engine work) at 1x",
+        "goodput / bound (engine work) at 2x",
+        "admitted in budget at 2x",
+        "goodput within the bound (engine work) at 1x predictive",
+        "goodput within the bound (engine work) at 2x predictive",
+    ]
+    assert overall_verdict(check.passed for check in checks) == "PASS"
+    assert overall_verdict(c.passed for c in realtime_checks(runs[:1], (1.0, 2.0))) == INCOMPLETE
 
 
 async def test_real_time_goodput_cannot_pass_the_bound_whatever_the_ledgers_hold(
