@@ -35,26 +35,11 @@ from narwhal.bench.goodput import (
 )
 from narwhal.bench.replay import ReplayJob, VirtualSetup, default_router, run_replay
 from narwhal.sim.batching import Batcher, BatchSeq, BatchStep
-from narwhal.sim.calibration import EngineType
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.ledger import SimLedger
 from narwhal.sim.timing import StepTiming, profile
 from narwhal.sim.transport import SimTransport
-
-# Round numbers: a decode step of B sequences holding K context tokens costs 4 + B + K/100 ms;
-# a prefill chunk 0.01 ms a token; a prefill-only step 5 ms more. Two seats.
-COSTS = EngineType(
-    name="ledger-test",
-    prefill_base_ms=5.0,
-    prefill_per_token_ms=0.01,
-    prefill_quadratic_ms=1e-12,
-    decode_base_ms=4.0,
-    decode_per_seq_ms=1.0,
-    decode_per_kv_token_ms=0.01,
-    max_num_seqs=2,
-    max_num_batched_tokens=1000,
-    kv_capacity_tokens=100_000,
-)
+from tests.sim.helpers import LEDGER_COSTS as COSTS
 
 
 def _decoding(batcher: Batcher, *prompts: int) -> list[BatchSeq]:

@@ -8,11 +8,28 @@ import orjson
 
 from narwhal.scheduling.profiles import EngineProfile
 from narwhal.sim import SimEngine, SimPlan
+from narwhal.sim.calibration import EngineType
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MODEL = "qwen3-8b"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+# The step ledgers' tests (tests/sim/test_ledger.py, tests/bench/test_ledger.py), in round
+# numbers: a decode step of B sequences holding K context tokens costs 4 + B + K/100 ms; a
+# prefill chunk 0.01 ms a token; a prefill-only step 5 ms more. Two seats.
+LEDGER_COSTS = EngineType(
+    name="ledger-test",
+    prefill_base_ms=5.0,
+    prefill_per_token_ms=0.01,
+    prefill_quadratic_ms=1e-12,
+    decode_base_ms=4.0,
+    decode_per_seq_ms=1.0,
+    decode_per_kv_token_ms=0.01,
+    max_num_seqs=2,
+    max_num_batched_tokens=1000,
+    kv_capacity_tokens=100_000,
+)
 
 
 def events(body: bytes) -> list[Any]:

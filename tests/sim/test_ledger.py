@@ -18,21 +18,9 @@ from narwhal.sim.engine import SimEngine
 from narwhal.sim.ledger import SimLedger, charge_step
 from narwhal.sim.timing import StepTiming, profile
 from narwhal.sim.transport import SimTransport
+from tests.sim.helpers import LEDGER_COSTS as COSTS
 from tests.sim.helpers import MESSAGES, MODEL
 
-# A decode step of B sequences holding K context tokens costs 4 + B + K/100 ms; two seats.
-COSTS = EngineType(
-    name="ledger-test",
-    prefill_base_ms=5.0,
-    prefill_per_token_ms=0.01,
-    prefill_quadratic_ms=1e-12,
-    decode_base_ms=4.0,
-    decode_per_seq_ms=1.0,
-    decode_per_kv_token_ms=0.01,
-    max_num_seqs=2,
-    max_num_batched_tokens=1000,
-    kv_capacity_tokens=100_000,
-)
 SHIFT = 100.0  # the ledger's clock reads the Trio clock plus this
 
 
