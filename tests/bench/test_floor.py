@@ -116,6 +116,20 @@ def chat(output_tokens: int, *, stream: bool = True) -> dict[str, Any]:
     }
 
 
+async def streamed(*urls: str) -> list[list[Any]]:
+    """The same 32-token streamed chat completion from each of ``urls``, as its
+    :func:`payloads` (each answer a 200 event stream)."""
+    bodies = []
+    with trio.fail_after(DEADLINE_S):
+        for url in urls:
+            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+                async with client.stream("POST", "/v1/chat/completions", json=chat(32)) as answer:
+                    assert answer.status_code == 200, url
+                    assert answer.headers["content-type"].startswith("text/event-stream")
+                    bodies.append(await answer.aread())
+    return [payloads(body) for body in bodies]
+
+
 def payloads(body: bytes) -> list[Any]:
     """The SSE events, with what may differ per request (``id``, ``created``) left out."""
     found = events(body)
@@ -128,15 +142,7 @@ def payloads(body: bytes) -> list[Any]:
 
 @pytest.mark.realtime
 async def test_a_stream_through_the_floor_is_the_engines_own(relay: Relay) -> None:
-    with trio.fail_after(DEADLINE_S):
-        bodies = []
-        for url in (relay.engine, relay.floor):
-            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
-                async with client.stream("POST", "/v1/chat/completions", json=chat(32)) as answer:
-                    assert answer.status_code == 200
-                    assert answer.headers["content-type"].startswith("text/event-stream")
-                    bodies.append(await answer.aread())
-    direct, floor = (payloads(body) for body in bodies)
+    direct, floor = await streamed(relay.engine, relay.floor)
     assert floor == direct
     assert direct[-1] == "[DONE]" and len(direct) > 32
 

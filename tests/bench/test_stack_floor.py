@@ -20,7 +20,7 @@ from narwhal.bench.report import LevelReport, OverheadReport
 from narwhal.bench.services import free_port
 from narwhal.bench.stack_floor import FRONTS, Front, main, serve_stack_floor
 from narwhal.sim import SimEngine, profile, serve_sim
-from tests.bench.test_floor import chat, exits_0_on_sigterm, payloads
+from tests.bench.test_floor import chat, exits_0_on_sigterm, streamed
 from tests.bench.test_report import result
 
 MODEL = "llama-3.1-8b-instruct"
@@ -47,15 +47,7 @@ async def relay(request: pytest.FixtureRequest, nursery: trio.Nursery) -> AsyncI
 
 @pytest.mark.realtime
 async def test_a_stream_through_the_stack_floor_is_the_engines_own(relay: Relay) -> None:
-    with trio.fail_after(DEADLINE_S):
-        bodies = []
-        for url in (relay.engine, relay.url):
-            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
-                async with client.stream("POST", "/v1/chat/completions", json=chat(32)) as answer:
-                    assert answer.status_code == 200, relay.front
-                    assert answer.headers["content-type"].startswith("text/event-stream")
-                    bodies.append(await answer.aread())
-    direct, floor = (payloads(body) for body in bodies)
+    direct, floor = await streamed(relay.engine, relay.url)
     assert floor == direct
     assert direct[-1] == "[DONE]" and len(direct) > 32
 
