@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from narwhal.bench.admission_report import AdmissionReport
+from narwhal.bench.admission_report import AdmissionReport, SeedsReport
 from narwhal.bench.goodput import (
     Bar,
     Capacity,
@@ -67,6 +67,7 @@ __all__ = [
     "default_modes",
     "queue_cap_for",
     "run_admission",
+    "run_seeds",
     "sample_refusals",
     "with_engine_time",
 ]
@@ -314,6 +315,25 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
         checks=tuple(checks),
         wall_s=walls,
     )
+
+
+def run_seeds(
+    settings: AdmissionSettings, seeds: Sequence[int], *, echo: Echo = print
+) -> SeedsReport:
+    """Run the whole benchmark once per seed (its capacity too, since the engines' variation
+    is seeded), each seed's progress lines prefixed with it."""
+    reports = []
+    for seed in seeds:
+        seeded = attrs.evolve(settings, setup=attrs.evolve(settings.setup, seed=seed))
+        reports.append((seed, run_admission(seeded, echo=_prefixed(echo, f"seed {seed}: "))))
+    return SeedsReport(tuple(reports))
+
+
+def _prefixed(echo: Echo, prefix: str) -> Echo:
+    def prefixed(line: str) -> None:
+        echo(prefix + line)
+
+    return prefixed
 
 
 def capacity_phases(slowdowns: Sequence[Slowdown], warmup_fraction: float) -> list[CapacityPhase]:

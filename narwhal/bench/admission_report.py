@@ -1,7 +1,8 @@
 """The admission benchmark's report: what it holds, and how it prints (pure).
 
 One :class:`AdmissionReport` renders as the printed tables (:meth:`AdmissionReport.render`) and
-as the JSON report (:meth:`AdmissionReport.as_json`).
+as the JSON report (:meth:`AdmissionReport.as_json`). A run over several seeds
+(:class:`SeedsReport`) holds one report per seed and judges each check by every seed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import attrs
 
 from narwhal.bench.goodput import (
     ENGINE_BUSY,
+    NOT_RUN,
     PASS,
     REFUSAL_CODES,
     REJECTION_CODES,
@@ -25,7 +27,7 @@ from narwhal.bench.goodput import (
 )
 from narwhal.bench.replay import MemoryResult
 
-__all__ = ["AdmissionReport", "render_checks", "render_runs", "verdict_line"]
+__all__ = ["AdmissionReport", "SeedsReport", "render_checks", "render_runs", "verdict_line"]
 
 
 @attrs.frozen
@@ -88,6 +90,101 @@ class AdmissionReport:
     def render(self) -> str:
         """The printed report."""
         return "\n".join(render_report(self))
+
+
+@attrs.frozen
+class SeedsReport:
+    """The whole benchmark run once per seed, each seed's checks judged on their own.
+
+    A change that helps one seed and hurts the other is not a pass: the verdict is ``PASS``
+    only when every seed's is, ``FAIL`` when any check of any seed failed.
+
+    Attributes:
+        reports: ``(seed, report)`` in the order run.
+    """
+
+    reports: tuple[tuple[int, AdmissionReport], ...]
+
+    @property
+    def checks(self) -> tuple[Check, ...]:
+        """Every seed's checks, together."""
+        return tuple(check for _, report in self.reports for check in report.checks)
+
+    @property
+    def verdict(self) -> str:
+        """``PASS`` (every check of every seed ran and passed), ``FAIL`` or ``INCOMPLETE``
+        (a check one seed has and another lacks did not run there)."""
+        return overall_verdict(
+            None if check is None else check.passed
+            for _, checks in self.by_check()
+            for check in checks
+        )
+
+    @property
+    def passed(self) -> bool:
+        """Every seed's every target was checked and passed."""
+        return self.verdict == PASS
+
+    def by_check(self) -> list[tuple[str, list[Check | None]]]:
+        """Each check's name (in the first seed's order) and its check in each seed (``None``
+        where that seed has no check of that name)."""
+        names: dict[str, None] = {}
+        for _, report in self.reports:
+            names.update((check.name, None) for check in report.checks)
+        found = [{check.name: check for check in report.checks} for _, report in self.reports]
+        return [(name, [checks.get(name) for checks in found]) for name in names]
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON report: each seed's whole report under ``by_seed``, and each check's
+        verdict by seed."""
+        seeds = [str(seed) for seed, _ in self.reports]
+        return {
+            "seeds": [seed for seed, _ in self.reports],
+            "by_seed": [report.as_json() for _, report in self.reports],
+            "checks": [
+                {
+                    "name": name,
+                    "verdicts": {
+                        seed: NOT_RUN if check is None else check.verdict
+                        for seed, check in zip(seeds, checks, strict=True)
+                    },
+                    "measured": {
+                        seed: None if check is None else check.measured
+                        for seed, check in zip(seeds, checks, strict=True)
+                    },
+                }
+                for name, checks in self.by_check()
+            ],
+            "verdict": self.verdict,
+            "passed": self.passed,
+        }
+
+    def render(self) -> str:
+        """Each seed's report, then every check by seed and the verdict."""
+        lines: list[str] = []
+        for seed, report in self.reports:
+            lines += [f"=== seed {seed} ===", *render_report(report), ""]
+        rows = self.by_check()
+        width = max((len(name) for name, _ in rows), default=10)
+        column = 18
+        lines.append(
+            f"=== every seed ===\n{'check':<{width}}"
+            + "".join(f"  {'seed ' + str(seed):>{column}}" for seed, _ in self.reports)
+        )
+        for name, checks in rows:
+            cells = (
+                NOT_RUN if check is None else f"{check.measured.strip()} {check.verdict}"
+                for check in checks
+            )
+            lines.append(f"{name:<{width}}" + "".join(f"  {cell:>{column}}" for cell in cells))
+        seeds = ", ".join(f"seed {seed}: {report.verdict}" for seed, report in self.reports)
+        judged = [
+            Check(name, None if check is None else check.passed, "", "")
+            for name, checks in rows
+            for check in checks
+        ]
+        lines += ["", f"{verdict_line(self.verdict, judged)} ({seeds})"]
+        return "\n".join(lines)
 
 
 def _pct(value: float | None, digits: int = 1) -> str:

@@ -28,6 +28,7 @@ from narwhal.bench.admission import (
     default_jobs,
     default_modes,
     run_admission,
+    run_seeds,
     with_engine_time,
 )
 from narwhal.bench.goodput import Capacity
@@ -589,7 +590,14 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         "full-batch capacity, which a target their full batch misses holds them below)",
     )
     parser.add_argument("--trace", default="conv", choices=TRACE_NAMES, help="the trace")
-    parser.add_argument("--seed", type=int, default=0, help="seeds everything (default 0)")
+    seeding = parser.add_mutually_exclusive_group()
+    seeding.add_argument("--seed", type=int, default=0, help="seeds everything (default 0)")
+    seeding.add_argument(
+        "--seeds",
+        metavar="N,N,...",
+        help="run the whole benchmark once per seed (e.g. 0,1), each seed's checks judged on "
+        "their own: the verdict passes only if every seed's does (virtual time only)",
+    )
     parser.add_argument(
         "--engines",
         default="2",
@@ -808,6 +816,28 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
     )
 
 
+def admission_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--seeds``: the seeds to run the whole benchmark with (``None``: one run, ``--seed``).
+
+    Raises:
+        ValueError: not integers, one repeated, or with ``--real-time``.
+    """
+    if args.seeds is None:
+        return None
+    try:
+        seeds = tuple(int(part) for part in args.seeds.split(",") if part.strip())
+    except ValueError:
+        expected = "expected integers separated by commas"
+        raise ValueError(f"--seeds: {expected}, got {args.seeds!r}") from None
+    if not seeds:
+        raise ValueError(f"--seeds: expected at least one seed, got {args.seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: a seed is repeated in {args.seeds!r}")
+    if args.real_time:
+        raise ValueError("--seeds: virtual time only (a real-time run takes --seed)")
+    return seeds
+
+
 def _engines(text: str) -> tuple[int, tuple[str, ...]]:
     """``--engines``: a count, or engine types (the count is then theirs)."""
     from narwhal.scheduling.profiles import PROFILES
@@ -853,6 +883,7 @@ def _run_admission(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
     try:
         settings = admission_settings(args)
+        seeds = admission_seeds(args)
     except (ValueError, ConfigError) as exc:
         print(f"narwhal bench admission: {exc}", file=sys.stderr)
         return 2
@@ -864,6 +895,9 @@ def _run_admission(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         with _terminate_as_interrupt():
             if args.real_time:
                 report_text, data, passed = _real_time(args, settings, progress)
+            elif seeds is not None:
+                seeded = run_seeds(settings, seeds, echo=progress)
+                report_text, data, passed = seeded.render(), seeded.as_json(), seeded.passed
             else:
                 report = run_admission(settings, echo=progress)
                 report_text, data, passed = report.render(), report.as_json(), report.passed
@@ -889,15 +923,24 @@ def _ledger_rate(value: float | None) -> str:
 def admission_json(data: dict[str, Any]) -> bytes:
     """The admission benchmark's JSON file: indented, keys sorted, but each run's ``series``
     (what ``narwhal bench report`` plots) on one line: its per-request lists, one number a
-    line, would be most of the file."""
+    line, would be most of the file. A run over several seeds holds one report per seed under
+    ``by_seed``, each written alike."""
     option = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS
+    return orjson.dumps(_compact_series(data), option=option)
+
+
+def _compact_series(data: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(data.get("by_seed"), list):
+        return {**data, "by_seed": [_compact_series(report) for report in data["by_seed"]]}
+    if "runs" not in data:
+        return data
     runs = [
         {**run, "series": orjson.Fragment(orjson.dumps(run["series"], option=orjson.OPT_SORT_KEYS))}
         if isinstance(run, dict) and "series" in run
         else run
-        for run in data.get("runs", ())
+        for run in data["runs"]
     ]
-    return orjson.dumps({**data, "runs": runs} if "runs" in data else data, option=option)
+    return {**data, "runs": runs}
 
 
 def _real_time(

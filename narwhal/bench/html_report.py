@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["NOT_RECORDED", "ReportError", "load_run", "render_html", "write_report"]
+__all__ = ["NOT_RECORDED", "ReportError", "load_reports", "render_html", "write_report"]
 
 NOT_RECORDED = "not recorded in this run"
 """What a plot whose series the JSON lacks says instead (an older run)."""
@@ -59,12 +59,13 @@ class ReportError(Exception):
     """A JSON file that cannot be read as an admission benchmark run."""
 
 
-def load_run(path: Path) -> dict[str, Any]:
-    """Read one ``narwhal bench admission --output`` JSON.
+def load_reports(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Read one ``narwhal bench admission --output`` JSON: its report, named by the file, or
+    (a run with ``--seeds``) each seed's, named by the file and the seed.
 
     Raises:
         ReportError: the file cannot be read, is not JSON, or is not an admission run (an object
-            with a ``runs`` list).
+            with a ``runs`` list, or a ``by_seed`` list of such objects).
     """
     try:
         data = orjson.loads(path.read_bytes())
@@ -72,12 +73,26 @@ def load_run(path: Path) -> dict[str, Any]:
         raise ReportError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
     except orjson.JSONDecodeError as exc:
         raise ReportError(f"{path}: not JSON ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
-        raise ReportError(
-            f"{path}: not an admission benchmark run (no 'runs' list; write one with "
-            "`narwhal bench admission --output FILE`)"
-        )
-    return data
+    if isinstance(data, dict) and isinstance(data.get("by_seed"), list):
+        seeds = data.get("seeds")
+        reports = data["by_seed"]
+        if not isinstance(seeds, list) or len(seeds) != len(reports):
+            seeds = list(range(len(reports)))
+        if reports and all(_is_run(report) for report in reports):
+            return [
+                (f"{path.name}, seed {seed}", report)
+                for seed, report in zip(seeds, reports, strict=True)
+            ]
+    elif _is_run(data):
+        return [(path.name, data)]
+    raise ReportError(
+        f"{path}: not an admission benchmark run (no 'runs' list; write one with "
+        "`narwhal bench admission --output FILE`)"
+    )
+
+
+def _is_run(data: object) -> bool:
+    return isinstance(data, dict) and isinstance(data.get("runs"), list)
 
 
 def write_report(inputs: Sequence[Path], output: Path) -> int:
@@ -92,7 +107,7 @@ def write_report(inputs: Sequence[Path], output: Path) -> int:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise ReportError("the plots need matplotlib: pip install 'narwhal[bench]'") from exc
-    runs = [(path.name, load_run(path)) for path in inputs]
+    runs = [section for path in inputs for section in load_reports(path)]
     page = render_html(runs).encode()
     output.write_bytes(page)
     return len(page)

@@ -21,7 +21,7 @@ import pytest
 from narwhal.bench.admission import AdmissionSettings, run_admission
 from narwhal.bench.cli import admission_json, main
 from narwhal.bench.goodput import Capacity
-from narwhal.bench.html_report import NOT_RECORDED, ReportError, load_run, render_html
+from narwhal.bench.html_report import NOT_RECORDED, ReportError, load_reports, render_html
 from narwhal.bench.replay import VirtualSetup, default_router
 
 _SECTIONS = (
@@ -192,7 +192,7 @@ def test_the_cli_refuses_what_is_not_a_run(
         assert str(path) in capsys.readouterr().err
     assert not output.exists()
     with pytest.raises(ReportError, match="not an admission benchmark run"):
-        load_run(bad)
+        load_reports(bad)
     # The output may not overwrite an input.
     run_file = tmp_path / "run.json"
     run_file.write_text('{"runs": []}')
