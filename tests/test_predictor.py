@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import pytest
 
-from narwhal.admission.margin import SafetyMargin, WaitFactors
+from narwhal.admission.margin import SafetyMargin
 from narwhal.admission.plan import Plan
 from narwhal.admission.predictor import Projection, project
 from narwhal.admission.queue import Waiter
@@ -161,19 +161,31 @@ def test_a_prompt_waits_for_a_prefill_slot() -> None:
     assert projection.ttft_s * 1000 == pytest.approx(first_four_ms + chunk + grown)
 
 
-def test_the_safety_margin_is_added_on_the_wait_and_the_own_prefill_apart() -> None:
+def test_the_safety_margin_of_a_waiting_request_is_on_its_wait() -> None:
     engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
     ahead = [_waiter() for _ in range(4)]
     typical = _project(engine, ahead, overhead_s=0.005)
-    margin = SafetyMargin(waits=WaitFactors(prior=1.5), own=WaitFactors(prior=1.1))
+    margin = SafetyMargin(compute_prior=1.5, own_prior=1.1)
     cautious = _project(engine, ahead, overhead_s=0.005, margin=margin)
     assert cautious.typical_s == typical.ttft_s == typical.typical_s
-    assert typical.wait_s > 0 and typical.own_prefill_s > 0
+    assert typical.wait_s > 0.1 and typical.own_prefill_s > 0
     # The four prompts ahead are compute; the decode step they prefill beside depends on the
-    # running batch, and counts with the seats (prior 2).
+    # running batch, and counts with the seats (prior 2). The wait's error holds the own
+    # prefill's: no caution on it apart.
     compute = 4 * H100.prefill_chunk_ms(0, 1000) / 1000
     assert typical.seat_s == pytest.approx(typical.wait_s - compute)
     wait_caution = 0.5 * compute + 1.0 * typical.seat_s
+    assert cautious.ttft_s == pytest.approx(typical.ttft_s + wait_caution)
+
+
+def test_the_safety_margin_of_a_request_that_hardly_waits_is_on_both_apart() -> None:
+    engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
+    ahead = [_waiter()]  # one prompt ahead: a wait under 5 % of the budget
+    typical = _project(engine, ahead, overhead_s=0.005)
+    margin = SafetyMargin(compute_prior=1.5, own_prior=1.1)
+    cautious = _project(engine, ahead, overhead_s=0.005, margin=margin)
+    assert 0 < typical.wait_s < 0.1 and typical.own_prefill_s > 0
+    wait_caution = 0.5 * (typical.wait_s - typical.seat_s) + 1.0 * typical.seat_s
     own_caution = 0.1 * typical.own_prefill_s
     # The two cautions add as independent errors do (root-sum-square), not as a sum.
     caution = math.hypot(wait_caution, own_caution)
@@ -183,7 +195,7 @@ def test_the_safety_margin_is_added_on_the_wait_and_the_own_prefill_apart() -> N
 
 def test_a_request_that_waits_for_nothing_gets_no_caution_on_a_wait() -> None:
     engine = _engine(decode_limit=8)
-    margin = SafetyMargin(waits=WaitFactors(prior=3.0), own=WaitFactors(prior=1.0))
+    margin = SafetyMargin(compute_prior=3.0, own_prior=1.0)
     projection = _project(engine, overhead_s=0.005, margin=margin)
     assert projection.wait_s == 0.0
     assert projection.ttft_s == projection.typical_s

@@ -3,38 +3,35 @@
 The projection (:mod:`narwhal.admission.predictor`) aims at the typical first token: half of
 the requests see theirs later than projected. Admitting every request whose projection fits the
 budget would therefore, under overload, fill the queue up to the budget's edge and let half of
-what it admits miss. Predictive admission adds caution, but not to the whole projection: its
-parts are not equally uncertain.
+what it admits miss. Predictive admission adds caution: how much later than predicted a first
+token comes, learned in seconds, on the part that was uncertain.
 
-* **The wait** is the uncertain part, and it has two parts of its own. The wait for **the
-  prefills ahead** is the compute of prompts of known sizes, predicted as the request's own is;
-  the wait for **a seat** depends on how long the running requests' outputs go on, which nobody
-  knows (:meth:`~narwhal.admission.plan.EnginePlan.seat_wait` splits them). Each part's caution
-  is a high quantile (the 99th percentile by default) of ``observed wait / predicted wait`` over
-  recent admitted requests whose wait was mostly of that part and a real share of the budget,
-  where the observed wait is the observed TTFT less the parts that do not wait. A burst of long
-  prompts is not judged by how wrong output lengths can be, and a queue for seats is not
-  trusted as far as a queue of prefills.
-* **The request's own prefill** is known from its size and the engine's learned speed. Its
-  caution is the same quantile of ``observed / predicted`` prefill, learned from requests that
-  hardly waited, so that a long prompt on an idle engine is judged by how well the model
-  predicts long prompts, not by how long queues run; and by band of predicted prefill, as
-  the waits are: a prompt that shares its step with a neighbour arriving after it gets its
-  first token up to a step's chunk later, which is twice a 0.1 s prefill and a quarter of a
-  1.4 s one, so short prompts' errors may lower a long prompt's caution, never raise it.
+* **The wait** (for a seat and for the prefills ahead) is learned from requests that waited:
+  ``observed wait - predicted wait``, where the observed wait is the observed TTFT less the
+  parts that do not wait and the predicted own prefill, so the own prefill's error is inside
+  it. Its caution is a high quantile (the 99th percentile by default) of those seconds over
+  recent requests whose predicted wait was in the same band of the budget
+  (:class:`Overruns`). The error is about the same number of seconds whatever the wait's
+  length (on the wrong prior's benchmark its 99th percentile was 0.26 to 0.41 s for predicted
+  waits from 0.1 to 1.6 s, while ``observed / predicted`` went from 3.2 to 1.35): a ratio,
+  learned by a band's shortest waits, put 0.9 s of caution on a 0.35 s wait that needed 0.3 s.
+  So a band's caution is in seconds, and a longer wait is never trusted more, in seconds, than
+  a shorter one.
+* **The request's own prefill**, for a request that hardly waits (a long prompt on an idle
+  engine), is learned from such requests alike, by band of predicted prefill: a prompt that
+  shares its step with a neighbour arriving after it gets its first token up to a step later,
+  about the same added time whatever its size. A request that waits carries no separate own
+  caution: its wait's error already holds it.
 
 The typical projection corrects each part by its learned bias (the median of its observed
-ratios), and the projection decided on adds the caution of the wait (``compute_factor *
-compute_wait + seat_factor * seat_wait`` over its typical) and of the own prefill
-(``own_factor * own`` over its typical) as independent errors add, root-sum-square: the two
-err apart, and taking both at their 99th percentile at once refused requests whose first token
-would have come at a third of the budget. A
-request that waits for nothing is not made to look longer than its own prefill's error allows,
-and a burst's long queue is not trusted further than the queue's error. The learned factors
-only know requests that have finished waiting; when the requests waiting now have already
-overrun their predicted waits by more (the queue runs late now), that overrun is the wait's
-factor. Until enough requests have taught a factor, it is a cautious prior: 1.5 on the compute
-ahead, 2 on a seat.
+ratios): the compute ahead and the wait for a seat each by its own, the own prefill of a
+request that hardly waits by that of such requests (a waiting request's own prefill is taken
+as predicted, as its wait's error was measured). The projection decided on adds to it the
+wait's caution and the own prefill's as independent errors add, root-sum-square. The learned
+overruns only know requests that have finished waiting; when the requests waiting now have
+already overrun their predicted waits by more (the queue runs late now), that overrun is the
+wait's. Until enough requests have taught a band, the caution is a cautious prior: 1.5 times
+the compute ahead, 2 times a seat's wait, 1.25 times the own prefill.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ from collections import deque
 
 import attrs
 
-__all__ = ["WAIT_BANDS", "Ratios", "SafetyMargin", "WaitFactors"]
+__all__ = ["WAIT_BANDS", "Overruns", "Ratios", "SafetyMargin"]
 
 
 @attrs.define
@@ -77,6 +74,15 @@ class Ratios:
         return max(self.least, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
 
     @property
+    def high(self) -> float | None:
+        """The quantile of the values held, whatever its sign (``None`` before
+        ``min_samples``)."""
+        ordered = self._ordered
+        if len(ordered) < self.min_samples:
+            return None
+        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+
+    @property
     def median(self) -> float:
         """The median of the ratios held (1.0 before ``min_samples``): the prediction's bias."""
         ordered = self._ordered
@@ -98,95 +104,75 @@ class Ratios:
         bisect.insort(self._ordered, ratio)
 
 
-def _wait_ratios(prior: float = 2.0) -> Ratios:
+def _bias_ratios() -> Ratios:
     # No floor: waits that come in well under their prediction let more requests in.
-    return Ratios(prior=prior, least=0.0)
+    return Ratios(prior=1.0, least=0.0)
 
 
 WAIT_BANDS = (0.05, 0.2, 0.4, 0.6, 0.8)
-"""Predicted waits are judged by the error of waits of about their length: these shares of
-the budget start each band."""
+"""A predicted wait (or own prefill) is judged by the errors of those of about its length: these
+shares of the budget start each band."""
 
-_LADDER = 1.15  # a band not yet taught takes the factor of the band below it, times this
+_LADDER = 1.15  # a band not yet taught: the nearest taught below's, plus 15 % of the wait a band
+
+
+def _seconds() -> Ratios:
+    return Ratios(prior=0.0, least=-math.inf)
 
 
 @attrs.define
-class WaitFactors:
-    """The wait's ratios in bands of predicted wait (:data:`WAIT_BANDS`), so that a long wait
-    is judged by how long waits fare: queueing errors add up along a queue, and under a rising
-    load the short waits that finish first would vouch for the long ones too soon.
+class Overruns:
+    """How much later than predicted (seconds, at a high quantile) a wait, or an own prefill,
+    comes, by band of its predicted length (:data:`WAIT_BANDS`).
 
-    A band with fewer than ``min_samples`` ratios takes the factor of the nearest band below
-    that has them, times 1.15 per band climbed (a ladder: admitting slightly longer waits, with
-    caution, is how the band learns), at most the prior, or the prior when none has: shorter
-    waits have the larger relative errors, so what they teach may lower a longer wait's
-    caution, never raise it.
+    Each band keeps the recent ``observed - predicted`` of its predictions, and its caution is
+    their quantile (negative where they come in early even then). Queueing errors under a
+    rising load reach long waits last, so a band is judged by its own, and a longer prediction
+    is never trusted more, in seconds, than a shorter one: a band takes the largest quantile of
+    the taught bands up to it. A band not yet taught adds 15 % of the prediction per band
+    climbed above the nearest taught one, compounded (admitting slightly longer waits, with
+    caution, is how the band learns). A prediction under the first band takes that band's in
+    proportion to its length. Until a band up to it is taught, there is none (:meth:`over_s` is
+    ``None``: the caller's prior applies).
+
+    Attributes:
+        bands: the seconds late of recent predictions, one window per band.
     """
 
-    prior: float = 2.0
-    bands: tuple[Ratios, ...] = attrs.field(
-        default=attrs.Factory(
-            lambda self: tuple(_wait_ratios(self.prior) for _ in WAIT_BANDS), takes_self=True
-        )
-    )
-    all: Ratios = attrs.field(
-        default=attrs.Factory(lambda self: _wait_ratios(self.prior), takes_self=True)
-    )
+    bands: tuple[Ratios, ...] = attrs.field(factory=lambda: tuple(_seconds() for _ in WAIT_BANDS))
 
-    def band(self, wait_s: float, budget_s: float) -> int | None:
-        """The band of a predicted wait (``None``: under the first, too short to judge)."""
-        share = wait_s / budget_s if budget_s > 0 else 0.0
+    @staticmethod
+    def band(predicted_s: float, budget_s: float) -> int | None:
+        """The band of a prediction (``None``: under the first)."""
+        share = predicted_s / budget_s if budget_s > 0 else 0.0
         index = None
         for number, start in enumerate(WAIT_BANDS):
             if share >= start:
                 index = number
         return index
 
-    def factor(self, wait_s: float, budget_s: float) -> float:
-        """The factor for a predicted wait of ``wait_s`` under ``budget_s``."""
-        index = self.band(wait_s, budget_s)
+    def over_s(self, predicted_s: float, budget_s: float) -> float | None:
+        """How much later than ``predicted_s`` it comes at the quantile (``None``: untaught)."""
+        index = self.band(predicted_s, budget_s)
+        share = 1.0
         if index is None:
-            index = 0
-        climbed = 0
-        while index >= 0:
-            ratios = self.bands[index]
-            if ratios.samples >= ratios.min_samples:
-                if not climbed:
-                    return ratios.factor
-                # Shorter waits have the larger relative errors: what they teach may make a
-                # longer wait's caution less than the prior, never more.
-                return min(self.prior, ratios.factor * _LADDER**climbed)
-            index -= 1
-            climbed += 1
-        return self.prior
+            index, start = 0, WAIT_BANDS[0] * budget_s
+            share = min(1.0, predicted_s / start) if start > 0 else 1.0
+        over, top = None, -1
+        for number in range(index + 1):
+            high = self.bands[number].high
+            if high is not None:
+                over = high if over is None else max(over, high)
+                top = number
+        if over is None:
+            return None
+        return over * share + (_LADDER ** (index - top) - 1.0) * predicted_s
 
-    def add(self, wait_s: float, budget_s: float, ratio: float) -> None:
-        """A request predicted to wait ``wait_s`` waited ``ratio`` times that."""
-        index = self.band(wait_s, budget_s)
+    def add(self, predicted_s: float, budget_s: float, observed_s: float) -> None:
+        """A prediction of ``predicted_s`` came true in ``observed_s``."""
+        index = self.band(predicted_s, budget_s)
         if index is not None:
-            self.bands[index].add(ratio)
-            self.all.add(ratio)
-
-
-def _own_factors() -> WaitFactors:
-    # Never under 1 (a prefill faster than predicted does not make a longer one safer), prior
-    # 1.25, by band of predicted own prefill: what short prompts teach never raises a long
-    # one's caution (a neighbour sharing its step adds at most a step's chunk, which doubles
-    # a 0.1 s prefill and adds a quarter to a 1.4 s one).
-    def ratios() -> Ratios:
-        return Ratios(prior=1.25)
-
-    return WaitFactors(1.25, tuple(ratios() for _ in WAIT_BANDS), ratios())
-
-
-def _bias_ratios() -> Ratios:
-    return Ratios(prior=1.0, least=0.0)
-
-
-def _compute_waits() -> WaitFactors:
-    # The prefills ahead are prompts of known sizes, predicted as the own prefill is (prior
-    # 1.25); their errors add up along a queue, and partly cancel.
-    return WaitFactors(prior=1.5)
+            self.bands[index].add(observed_s - predicted_s)
 
 
 @attrs.define
@@ -194,29 +180,42 @@ class SafetyMargin:
     """How much later than typical a first token may come: on the wait, and on the own prefill.
 
     Attributes:
-        waits: ratios of observed to predicted wait, by band, from requests whose wait was
-            for the prefill compute ahead (a seat's share of it at most ``compute_share``).
-        seats: the same, from requests whose wait was mostly for a seat (its share at least
-            ``seat_share``): the seat's ratio, the compute ahead taken as predicted.
-        every: every wait's ratio: their median is the wait's bias.
-        own: ratios of observed to predicted own prefill, from long prompts that hardly waited,
-            by band of predicted own prefill (a band not yet taught climbs from the one below,
-            never above the prior, as the waits' bands do).
-        own_bias: the same ratios from every request that hardly waited, whatever its size:
-            their median corrects the typical own prefill.
+        late: how late waits came (seconds, by band of predicted wait), from every request
+            whose predicted wait was at least ``floor_share`` of the budget.
+        own: how late own prefills came (seconds, by band of predicted prefill), from long
+            prompts that hardly waited.
+        every: every wait's ``observed / predicted``: their median is the wait's bias until
+            both parts below are taught, their high quantile
+            ``narwhal_admission_safety_factor``.
+        compute: the same ratio of waits that were for the prefill compute ahead (a seat's
+            share of them at most ``compute_share``): their median is that part's bias.
+        seats: the seat's ratio of waits that were mostly for a seat (its share at least
+            ``seat_share``, and itself at least ``floor_share`` of the budget), the compute
+            ahead taken as predicted: their median is the seat's bias.
+        own_bias: ``observed / predicted`` own prefill of every request that hardly waited,
+            whatever its size: their median corrects a non-waiting request's own prefill.
+        compute_prior: the caution on the compute ahead until a band of waits is taught: the
+            predicted compute times this.
+        seat_prior: the same for the wait for a seat (less predictable: running outputs end
+            when they end).
+        own_prior: the same for the own prefill.
         floor_share: a predicted wait (or own prefill) under this share of the budget does not
-            teach its factor: short times have the largest relative error (a prompt that shares
+            teach its band: short times have the largest relative error (a prompt that shares
             its step with an unforeseen neighbour takes twice its 30 ms) and it does not matter
-            there (twice 30 ms is still far inside a 2 s budget).
-        own_only_share: a request teaches the own-prefill ratios only when its predicted wait
-            was under this share of its own prefill (its TTFT was its prefill's).
+            there.
+        own_only_share: a request teaches the own prefill only when its predicted wait was
+            under this share of its own prefill (its TTFT was its prefill's).
     """
 
-    waits: WaitFactors = attrs.field(factory=_compute_waits)
-    seats: WaitFactors = attrs.field(factory=WaitFactors)  # prior 2
-    every: Ratios = attrs.field(factory=_wait_ratios)
-    own: WaitFactors = attrs.field(factory=_own_factors)
+    late: Overruns = attrs.field(factory=Overruns)
+    own: Overruns = attrs.field(factory=Overruns)
+    every: Ratios = attrs.field(factory=lambda: Ratios(prior=2.0, least=0.0))
+    compute: Ratios = attrs.field(factory=_bias_ratios)
+    seats: Ratios = attrs.field(factory=_bias_ratios)
     own_bias: Ratios = attrs.field(factory=_bias_ratios)
+    compute_prior: float = 1.5
+    seat_prior: float = 2.0
+    own_prior: float = 1.25
     floor_share: float = 0.05
     own_only_share: float = 0.25
     compute_share: float = 0.1
@@ -224,22 +223,27 @@ class SafetyMargin:
 
     @property
     def wait(self) -> Ratios:
-        """Every wait's ratio, whatever its band and part: their median is the wait's bias,
-        their high quantile ``narwhal_admission_safety_factor``."""
+        """Every wait's ratio: their median is the wait's bias, their high quantile
+        ``narwhal_admission_safety_factor``."""
         return self.every
 
     @property
     def factor(self) -> float:
-        """The factor on every wait together (``narwhal_admission_safety_factor``)."""
+        """The high quantile of every wait's ratio (``narwhal_admission_safety_factor``)."""
         return self.every.factor
 
     @property
     def samples(self) -> int:
-        """How many requests taught the wait factors."""
+        """How many requests taught the wait."""
         return self.every.samples
 
+    def waits(self, wait_s: float, budget_s: float) -> bool:
+        """Whether a predicted wait is long enough to teach the wait (and to carry the own
+        prefill's error in its own)."""
+        return wait_s >= self.floor_share * budget_s
+
     def typical(
-        self, wait_s: float, own_prefill_s: float, seat_s: float = 0.0
+        self, wait_s: float, own_prefill_s: float, seat_s: float = 0.0, *, budget_s: float = 2.0
     ) -> tuple[float, float]:
         """The wait and own prefill as typically observed: the predictions, corrected by the
         median of their observed ratios (their learned bias).
@@ -249,10 +253,15 @@ class SafetyMargin:
         (``seat_s``) by the seat waits'. They err apart (on the wrong prior's benchmark at 1x
         to 3x, seat waits ran 0.21 to 0.33 s shorter than planned while compute waits were
         about right), and one median for every wait would carry one part's bias into the
-        other. Until then, every wait's median corrects the whole wait.
+        other. Until then, every wait's median corrects the whole wait. The own prefill is
+        corrected only for a request that hardly waits, as those that taught its bias did: a
+        waiting request's own prefill is inside its wait's error, which was measured with it
+        taken as predicted (its bias applied there too counted a step's neighbour twice).
         """
-        own = own_prefill_s * self.own_bias.median
-        compute, seat = self.waits.all, self.seats.all
+        own = own_prefill_s
+        if not self.waits(wait_s, budget_s):
+            own *= self.own_bias.median
+        compute, seat = self.compute, self.seats
         if compute.samples < compute.min_samples or seat.samples < seat.min_samples:
             return wait_s * self.every.median, own
         seat_s = min(max(0.0, seat_s), wait_s)
@@ -274,20 +283,26 @@ class SafetyMargin:
             own_prefill_s: the predicted own prefill.
             overrun: how far the requests waiting now have already overrun their own
                 predicted waits (the largest ratio of time waited so far to predicted wait): a
-                lower bound on the wait's error now, which the learned factor, taught by
-                requests that have finished waiting, only shows later.
-            budget_s: the budget (each part's band is a share of it).
+                lower bound on the wait's error now, which the learned overruns, taught by
+                requests that have finished waiting, only show later.
+            budget_s: the budget (each band is a share of it).
             seat_s: the part of ``wait_s`` that is for a seat.
         """
-        typical_wait, typical_own = self.typical(wait_s, own_prefill_s, seat_s)
-        seat_s = min(max(0.0, seat_s), wait_s)
-        compute_s = wait_s - seat_s
-        cautious = self.waits.factor(compute_s, budget_s) * compute_s
-        if seat_s > 0:
-            cautious += self.seats.factor(seat_s, budget_s) * seat_s
-        wait = max(0.0, max(cautious, overrun * wait_s) - typical_wait)
-        own_factor = self.own.factor(own_prefill_s, budget_s)
-        own = max(0.0, own_factor * own_prefill_s - typical_own)
+        typical_wait, typical_own = self.typical(wait_s, own_prefill_s, seat_s, budget_s=budget_s)
+        wait = 0.0
+        if wait_s > 0:
+            late = self.late.over_s(wait_s, budget_s)
+            if late is None:
+                seat_s = min(max(0.0, seat_s), wait_s)
+                cautious = self.compute_prior * (wait_s - seat_s) + self.seat_prior * seat_s
+            else:
+                cautious = wait_s + late
+            wait = max(0.0, max(cautious, overrun * wait_s) - typical_wait)
+        own = 0.0
+        if own_prefill_s > 0 and not self.waits(wait_s, budget_s):
+            late = self.own.over_s(own_prefill_s, budget_s)
+            cautious = self.own_prior * own_prefill_s if late is None else own_prefill_s + late
+            own = max(0.0, cautious - typical_own)
         # The wait's error and the own prefill's are apart (a queue's, and a step's neighbour):
         # both at their 99th percentile at once is far rarer than either, so their cautions
         # add as independent errors do, root-sum-square, not as a sum.
@@ -307,19 +322,19 @@ class SafetyMargin:
         ``wait_s`` waiting (``seat_s`` of it for a seat) and ``own_prefill_s`` of its own
         prefill were predicted, after ``fixed_s`` (the time in the router and the overhead,
         which do not wait)."""
-        floor = self.floor_share * budget_s
-        if wait_s >= floor:
+        if self.waits(wait_s, budget_s):
             # What the wait really was, taking the parts that do not wait as predicted.
             waited = observed_s - fixed_s - own_prefill_s
             self.every.add(waited / wait_s)
+            self.late.add(wait_s, budget_s, waited)
             seat_s = min(max(0.0, seat_s), wait_s)
             if seat_s <= self.compute_share * wait_s:
-                self.waits.add(wait_s, budget_s, waited / wait_s)
-            elif seat_s >= self.seat_share * wait_s:
+                self.compute.add(waited / wait_s)
+            elif seat_s >= self.seat_share * wait_s and self.waits(seat_s, budget_s):
                 # The compute ahead taken as predicted: the rest of the error is the seat's.
-                self.seats.add(seat_s, budget_s, (waited - (wait_s - seat_s)) / seat_s)
+                self.seats.add((waited - (wait_s - seat_s)) / seat_s)
         elif own_prefill_s > 0 and wait_s < self.own_only_share * own_prefill_s:
-            ratio = (observed_s - fixed_s - wait_s) / own_prefill_s
-            self.own_bias.add(ratio)
-            if own_prefill_s >= floor:
-                self.own.add(own_prefill_s, budget_s, ratio)
+            took = observed_s - fixed_s - wait_s
+            self.own_bias.add(took / own_prefill_s)
+            if own_prefill_s >= self.floor_share * budget_s:
+                self.own.add(own_prefill_s, budget_s, took)

@@ -156,7 +156,7 @@ def _projection(
 ) -> Projection:
     typical_wait, typical_own, caution = wait_s, own_prefill_s, 0.0
     if margin is not None:
-        typical_wait, typical_own = margin.typical(wait_s, own_prefill_s, seat_s)
+        typical_wait, typical_own = margin.typical(wait_s, own_prefill_s, seat_s, budget_s=budget_s)
         caution = margin.caution_s(wait_s, own_prefill_s, overrun, budget_s=budget_s, seat_s=seat_s)
     typical_s = fixed_s + typical_wait + typical_own
     return Projection(

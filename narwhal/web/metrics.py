@@ -101,7 +101,7 @@ class _RouterCollector(Collector):
         yield drift
         factor = GaugeMetricFamily(
             "narwhal_admission_safety_factor",
-            "What predictive admission multiplies the predicted wait by (the wait factor)",
+            "The 99th percentile of observed over predicted wait, recent admitted requests",
         )
         factor.add_metric([], self._router.margin.factor)
         yield factor
