@@ -12,13 +12,14 @@ from narwhal.admission.margin import WAIT_BANDS, Overruns, Ratios, SafetyMargin
 BUDGET = 2.0
 
 
-def overruns(*, min_samples: int = 32, window: int = 512) -> Overruns:
+def overruns(prior: float, *, min_samples: int = 32, window: int = 512) -> Overruns:
     """Overruns whose every band learns from ``min_samples`` and keeps ``window``."""
     return Overruns(
+        prior,
         tuple(
             Ratios(prior=0.0, least=-math.inf, min_samples=min_samples, window=window)
             for _ in WAIT_BANDS
-        )
+        ),
     )
 
 
@@ -37,8 +38,9 @@ def biases(min_samples: int) -> dict[str, Ratios]:
 def quick(min_samples: int = 1, window: int = 512, **kw: object) -> SafetyMargin:
     """A margin whose every part learns from ``min_samples`` requests."""
     return SafetyMargin(
-        late=overruns(min_samples=min_samples, window=window),
-        own=overruns(min_samples=min_samples, window=window),
+        compute_late=overruns(1.5, min_samples=min_samples, window=window),
+        seat_late=overruns(2.0, min_samples=min_samples, window=window),
+        own=overruns(1.25, min_samples=min_samples, window=window),
         **biases(min_samples),  # type: ignore[arg-type]
         **kw,  # type: ignore[arg-type]
     )
@@ -84,7 +86,7 @@ def test_a_waits_error_is_taught_in_seconds_not_as_a_ratio() -> None:
     margin = quick()
     for _ in range(10):
         _waited(margin, 0.15, 0.45)
-    assert margin.late.over_s(0.35, BUDGET) == pytest.approx(0.3)  # the same band
+    assert margin.compute_late.over_s(0.35, BUDGET) == pytest.approx(0.3)  # the same band
     typical_wait = margin.typical(0.35, 0.1)[0]
     assert typical_wait == pytest.approx(0.35 * 3.0)  # the bias of every wait, until taught
     assert margin.caution_s(0.35, 0.1) == 0.0  # typical already as late as the band's worst
@@ -95,7 +97,7 @@ def test_the_parts_that_do_not_wait_are_taken_out_of_the_observed_wait() -> None
     # 0.5 s predicted wait, 0.3 s own prefill, 0.2 s in the router: observed 1.5 s, so the
     # wait was 1.0 s, 0.5 s late.
     margin.observe(0.2, 0.5, 0.3, 1.5, budget_s=BUDGET)
-    assert margin.late.over_s(0.5, BUDGET) == pytest.approx(0.5)
+    assert margin.compute_late.over_s(0.5, BUDGET) == pytest.approx(0.5)
     assert margin.wait.samples == 1 and margin.factor == pytest.approx(2.0)
 
 
@@ -103,35 +105,40 @@ def test_short_waits_do_not_teach_the_wait() -> None:
     margin = quick()
     _waited(margin, 0.04, 0.08)  # under 5 % of the budget
     assert margin.wait.samples == 0
-    assert margin.late.over_s(0.5, BUDGET) is None
+    assert margin.compute_late.over_s(0.5, BUDGET) is None
 
 
 def test_a_wait_under_the_first_band_takes_its_caution_in_proportion() -> None:
     margin = quick()
     _waited(margin, 0.2, 0.5)  # 0.3 s late, in the first band (from 0.1 s)
-    assert margin.late.over_s(0.05, BUDGET) == pytest.approx(0.15)
+    assert margin.compute_late.over_s(0.05, BUDGET) == pytest.approx(0.15)
 
 
-def test_a_longer_wait_is_never_trusted_more_in_seconds_than_a_shorter_one() -> None:
+def test_a_long_wait_is_judged_by_long_waits_and_an_untaught_band_climbs_a_ladder() -> None:
     margin = quick()
     for _ in range(3):
         _waited(margin, 0.2, 0.6)  # short waits, 0.4 s late
         _waited(margin, 1.0, 1.1)  # half the budget (the band from 0.8 s): 0.1 s late
-    assert margin.late.over_s(0.2, BUDGET) == pytest.approx(0.4)
-    assert margin.late.over_s(1.0, BUDGET) == pytest.approx(0.4)
+    assert margin.compute_late.over_s(0.2, BUDGET) == pytest.approx(0.4)
+    assert margin.compute_late.over_s(1.0, BUDGET) == pytest.approx(0.1)
     # A band not yet taught climbs from the nearest taught below: 15 % more of the wait per
-    # band, compounded.
-    assert margin.late.over_s(1.4, BUDGET) == pytest.approx(0.4 + 0.15 * 1.4)
-    assert margin.late.over_s(1.8, BUDGET) == pytest.approx(0.4 + (1.15**2 - 1) * 1.8)
+    # band, compounded, at most what the prior (1.5) adds.
+    assert margin.compute_late.over_s(1.4, BUDGET) == pytest.approx(0.1 + 0.15 * 1.4)
+    assert margin.compute_late.over_s(1.8, BUDGET) == pytest.approx(0.1 + (1.15**2 - 1) * 1.8)
+    short = quick()
+    for _ in range(3):
+        _waited(short, 0.2, 1.2)  # 1 s late: a longer wait climbs to the prior, no further
+    assert short.compute_late.over_s(0.5, BUDGET) == pytest.approx(0.5 * 0.5)
     # Nothing taught up to it: none (the prior applies).
-    assert quick().late.over_s(1.0, BUDGET) is None
+    assert quick().compute_late.over_s(1.0, BUDGET) is None
+    assert quick().compute_late.cautious_s(1.0, BUDGET) == pytest.approx(1.5)
 
 
 def test_waits_that_come_early_lower_the_caution_to_nothing() -> None:
     margin = quick()
     for _ in range(10):
         _waited(margin, 1.0, 0.5)
-    assert margin.late.over_s(1.0, BUDGET) == pytest.approx(-0.5)
+    assert margin.compute_late.over_s(1.0, BUDGET) == pytest.approx(-0.5)
     assert margin.typical(1.0, 0.1)[0] == pytest.approx(0.5)
     assert margin.caution_s(1.0, 0.1) == 0.0
     # The own prefill of a request that hardly waits keeps its prior all the same.
@@ -142,10 +149,10 @@ def test_the_window_forgets_old_errors() -> None:
     margin = quick(window=10)
     for _ in range(10):
         _waited(margin, 1.0, 2.0)
-    assert margin.late.over_s(1.0, BUDGET) == pytest.approx(1.0)
+    assert margin.compute_late.over_s(1.0, BUDGET) == pytest.approx(1.0)
     for _ in range(10):
         _waited(margin, 1.0, 1.5)
-    assert margin.late.over_s(1.0, BUDGET) == pytest.approx(0.5)
+    assert margin.compute_late.over_s(1.0, BUDGET) == pytest.approx(0.5)
 
 
 def test_a_long_prompt_that_hardly_waited_teaches_the_own_prefill() -> None:
@@ -161,15 +168,21 @@ def test_a_long_prompt_that_hardly_waited_teaches_the_own_prefill() -> None:
 
 def test_a_short_prompts_step_neighbour_puts_seconds_not_a_ratio_on_a_long_one() -> None:
     """Short prompts (0.15 s) that came 0.15 s late (a neighbour shared their step) put
-    0.15 s on a longer prompt of their band, and on longer untaught ones, not twice their
-    prefill; a band taught by long prompts of its own is judged by the longest error."""
+    0.15 s on a longer prompt of their band, not twice its prefill; a longer untaught band
+    climbs from it, at most to the prior (1.25); a band taught by long prompts of its own is
+    judged by them."""
     margin = quick(min_samples=1)
     for _ in range(10):
         margin.observe(0.0, 0.0, 0.15, 0.30, budget_s=BUDGET)
     assert margin.own.over_s(0.35, BUDGET) == pytest.approx(0.15)
-    assert margin.own.over_s(1.4, BUDGET) == pytest.approx(0.15 + (1.15**3 - 1) * 1.4)
+    assert margin.own.over_s(0.5, BUDGET) == pytest.approx(0.25 * 0.5)  # the prior's
+    assert margin.own.over_s(1.4, BUDGET) == pytest.approx(0.25 * 1.4)
+    for _ in range(10):
+        margin.observe(0.0, 0.0, 0.5, 0.5 + 0.01, budget_s=BUDGET)  # 0.5 s prompts: 10 ms
+    assert margin.own.over_s(0.7, BUDGET) == pytest.approx(0.01)
+    assert margin.own.over_s(0.9, BUDGET) == pytest.approx(0.01 + 0.15 * 0.9)
     margin.observe(0.0, 0.0, 1.4, 1.4 + 0.05, budget_s=BUDGET)
-    assert margin.own.over_s(1.4, BUDGET) == pytest.approx(0.15)
+    assert margin.own.over_s(1.4, BUDGET) == pytest.approx(0.05)
 
 
 def test_a_wait_as_long_as_the_prefill_teaches_neither() -> None:
@@ -234,8 +247,11 @@ def test_each_part_of_the_wait_teaches_its_own_bias() -> None:
     waited(0.15, 0.08, 0.2)  # mostly a seat, but a seat too short to judge
     assert (margin.compute.samples, margin.seats.samples) == (1, 1)
     assert margin.every.samples == 4
-    # Every wait teaches how late waits come, whatever its parts.
-    assert margin.late.bands[2].samples == 3
+    # Each teaches how late its own part comes: the compute ahead by the band of the wait, the
+    # seat by the band of the seat's wait.
+    assert margin.compute_late.bands[2].samples == 1
+    assert margin.seat_late.bands[2].samples == 1
+    assert margin.seat_late.over_s(0.8, BUDGET) == pytest.approx(1.4 - 1.0)
 
 
 def test_each_part_of_the_typical_wait_is_corrected_by_its_own_median() -> None:
@@ -267,7 +283,7 @@ def test_the_wait_and_the_own_prefill_cautions_add_as_independent_errors() -> No
     """For a request that hardly waits, both at their 99th percentile at once is far rarer
     than either: 0.045 s of caution on its wait and 0.4 s on its own prefill give about
     0.403 s, not 0.445 s."""
-    margin = SafetyMargin(compute_prior=2.0, own_prior=1.4)
+    margin = SafetyMargin(compute_late=Overruns(2.0), own=Overruns(1.4))
     assert margin.caution_s(0.045, 0.0) == pytest.approx(0.045)
     assert margin.caution_s(0.0, 1.0) == pytest.approx(0.4)
     assert margin.caution_s(0.045, 1.0) == pytest.approx(math.hypot(0.045, 0.4))

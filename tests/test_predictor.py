@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import pytest
 
-from narwhal.admission.margin import SafetyMargin
+from narwhal.admission.margin import Overruns, SafetyMargin
 from narwhal.admission.plan import Plan
 from narwhal.admission.predictor import Projection, project
 from narwhal.admission.queue import Waiter
@@ -165,7 +165,7 @@ def test_the_safety_margin_of_a_waiting_request_is_on_its_wait() -> None:
     engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
     ahead = [_waiter() for _ in range(4)]
     typical = _project(engine, ahead, overhead_s=0.005)
-    margin = SafetyMargin(compute_prior=1.5, own_prior=1.1)
+    margin = SafetyMargin(own=Overruns(1.1))
     cautious = _project(engine, ahead, overhead_s=0.005, margin=margin)
     assert cautious.typical_s == typical.ttft_s == typical.typical_s
     assert typical.wait_s > 0.1 and typical.own_prefill_s > 0
@@ -182,7 +182,7 @@ def test_the_safety_margin_of_a_request_that_hardly_waits_is_on_both_apart() -> 
     engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
     ahead = [_waiter()]  # one prompt ahead: a wait under 5 % of the budget
     typical = _project(engine, ahead, overhead_s=0.005)
-    margin = SafetyMargin(compute_prior=1.5, own_prior=1.1)
+    margin = SafetyMargin(own=Overruns(1.1))
     cautious = _project(engine, ahead, overhead_s=0.005, margin=margin)
     assert 0 < typical.wait_s < 0.1 and typical.own_prefill_s > 0
     wait_caution = 0.5 * (typical.wait_s - typical.seat_s) + 1.0 * typical.seat_s
@@ -195,7 +195,7 @@ def test_the_safety_margin_of_a_request_that_hardly_waits_is_on_both_apart() -> 
 
 def test_a_request_that_waits_for_nothing_gets_no_caution_on_a_wait() -> None:
     engine = _engine(decode_limit=8)
-    margin = SafetyMargin(compute_prior=3.0, own_prior=1.0)
+    margin = SafetyMargin(compute_late=Overruns(3.0), own=Overruns(1.0))
     projection = _project(engine, overhead_s=0.005, margin=margin)
     assert projection.wait_s == 0.0
     assert projection.ttft_s == projection.typical_s

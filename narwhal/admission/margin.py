@@ -6,17 +6,18 @@ budget would therefore, under overload, fill the queue up to the budget's edge a
 what it admits miss. Predictive admission adds caution: how much later than predicted a first
 token comes, learned in seconds, on the part that was uncertain.
 
-* **The wait** (for a seat and for the prefills ahead) is learned from requests that waited:
-  ``observed wait - predicted wait``, where the observed wait is the observed TTFT less the
-  parts that do not wait and the predicted own prefill, so the own prefill's error is inside
-  it. Its caution is a high quantile (the 99th percentile by default) of those seconds over
-  recent requests whose predicted wait was in the same band of the budget
+* **The wait** is learned from requests that waited: ``observed wait - predicted wait``, where
+  the observed wait is the observed TTFT less the parts that do not wait and the predicted own
+  prefill, so the own prefill's error is inside it. It has two parts, which err apart: the wait
+  for **the prefills ahead** is the compute of prompts of known sizes; the wait for **a seat**
+  depends on how long the running requests' outputs go on, which nobody knows
+  (:meth:`~narwhal.admission.plan.EnginePlan.seat_wait` splits them). Each part's caution is a
+  high quantile (the 99th percentile by default) of those seconds over recent requests whose
+  wait was mostly of that part and whose part was in the same band of the budget
   (:class:`Overruns`). The error is about the same number of seconds whatever the wait's
   length (on the wrong prior's benchmark its 99th percentile was 0.26 to 0.41 s for predicted
   waits from 0.1 to 1.6 s, while ``observed / predicted`` went from 3.2 to 1.35): a ratio,
   learned by a band's shortest waits, put 0.9 s of caution on a 0.35 s wait that needed 0.3 s.
-  So a band's caution is in seconds, and a longer wait is never trusted more, in seconds, than
-  a shorter one.
 * **The request's own prefill**, for a request that hardly waits (a long prompt on an idle
   engine), is learned from such requests alike, by band of predicted prefill: a prompt that
   shares its step with a neighbour arriving after it gets its first token up to a step later,
@@ -31,7 +32,7 @@ wait's caution and the own prefill's as independent errors add, root-sum-square.
 overruns only know requests that have finished waiting; when the requests waiting now have
 already overrun their predicted waits by more (the queue runs late now), that overrun is the
 wait's. Until enough requests have taught a band, the caution is a cautious prior: 1.5 times
-the compute ahead, 2 times a seat's wait, 1.25 times the own prefill.
+the compute ahead, 2 times the wait for a seat, 1.25 times the own prefill.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ WAIT_BANDS = (0.05, 0.2, 0.4, 0.6, 0.8)
 """A predicted wait (or own prefill) is judged by the errors of those of about its length: these
 shares of the budget start each band."""
 
-_LADDER = 1.15  # a band not yet taught: the nearest taught below's, plus 15 % of the wait a band
+_LADDER = 1.15  # a band not yet taught: the nearest taught one's, plus 15 % of the wait a band
 
 
 def _seconds() -> Ratios:
@@ -122,23 +123,24 @@ def _seconds() -> Ratios:
 
 @attrs.define
 class Overruns:
-    """How much later than predicted (seconds, at a high quantile) a wait, or an own prefill,
-    comes, by band of its predicted length (:data:`WAIT_BANDS`).
+    """How much later than predicted (seconds, at a high quantile) a part of the wait, or an
+    own prefill, comes, by band of its predicted length (:data:`WAIT_BANDS`).
 
     Each band keeps the recent ``observed - predicted`` of its predictions, and its caution is
-    their quantile (negative where they come in early even then). Queueing errors under a
-    rising load reach long waits last, so a band is judged by its own, and a longer prediction
-    is never trusted more, in seconds, than a shorter one: a band takes the largest quantile of
-    the taught bands up to it. A band not yet taught adds 15 % of the prediction per band
-    climbed above the nearest taught one, compounded (admitting slightly longer waits, with
-    caution, is how the band learns). A prediction under the first band takes that band's in
-    proportion to its length. Until a band up to it is taught, there is none (:meth:`over_s` is
-    ``None``: the caller's prior applies).
+    their quantile (negative where they come in early even then): queueing errors under a
+    rising load reach long waits last, so a band is judged by its own. A prediction under the
+    first band takes that band's in proportion to its length. A band not yet taught takes the
+    nearest taught one below plus 15 % of the prediction per band climbed (compounded:
+    admitting slightly longer waits, with caution, is how the band learns), at most what the
+    prior would add. Until a band up to it is taught, the prior: the prediction times
+    ``prior``.
 
     Attributes:
+        prior: the factor on the prediction until a band is taught.
         bands: the seconds late of recent predictions, one window per band.
     """
 
+    prior: float
     bands: tuple[Ratios, ...] = attrs.field(factory=lambda: tuple(_seconds() for _ in WAIT_BANDS))
 
     @staticmethod
@@ -152,21 +154,29 @@ class Overruns:
         return index
 
     def over_s(self, predicted_s: float, budget_s: float) -> float | None:
-        """How much later than ``predicted_s`` it comes at the quantile (``None``: untaught)."""
+        """How much later than ``predicted_s`` it comes at the quantile (``None``: no band up
+        to it is taught)."""
         index = self.band(predicted_s, budget_s)
         share = 1.0
         if index is None:
             index, start = 0, WAIT_BANDS[0] * budget_s
             share = min(1.0, predicted_s / start) if start > 0 else 1.0
-        over, top = None, -1
-        for number in range(index + 1):
-            high = self.bands[number].high
-            if high is not None:
-                over = high if over is None else max(over, high)
-                top = number
-        if over is None:
-            return None
-        return over * share + (_LADDER ** (index - top) - 1.0) * predicted_s
+        for climbed in range(index + 1):
+            high = self.bands[index - climbed].high
+            if high is None:
+                continue
+            if not climbed:
+                return high * share
+            ladder = high + (_LADDER**climbed - 1.0) * predicted_s
+            return min((self.prior - 1.0) * predicted_s, ladder)
+        return None
+
+    def cautious_s(self, predicted_s: float, budget_s: float) -> float:
+        """The prediction as late as it comes at the quantile (the prior's until taught)."""
+        if predicted_s <= 0:
+            return 0.0
+        over = self.over_s(predicted_s, budget_s)
+        return self.prior * predicted_s if over is None else predicted_s + over
 
     def add(self, predicted_s: float, budget_s: float, observed_s: float) -> None:
         """A prediction of ``predicted_s`` came true in ``observed_s``."""
@@ -180,10 +190,15 @@ class SafetyMargin:
     """How much later than typical a first token may come: on the wait, and on the own prefill.
 
     Attributes:
-        late: how late waits came (seconds, by band of predicted wait), from every request
-            whose predicted wait was at least ``floor_share`` of the budget.
+        compute_late: how late waits for the prefill compute ahead came (seconds, by band of
+            predicted wait), from waits whose seat's share was at most ``compute_share``.
+            Prior 1.5: prompts of known sizes, predicted as the own prefill is.
+        seat_late: how late waits for a seat came (seconds, by band of the predicted seat
+            wait), from waits mostly for a seat (its share at least ``seat_share``, and itself
+            at least ``floor_share`` of the budget). Prior 2: a seat frees when running outputs
+            end, which nobody knows.
         own: how late own prefills came (seconds, by band of predicted prefill), from long
-            prompts that hardly waited.
+            prompts that hardly waited. Prior 1.25.
         every: every wait's ``observed / predicted``: their median is the wait's bias until
             both parts below are taught, their high quantile
             ``narwhal_admission_safety_factor``.
@@ -194,11 +209,6 @@ class SafetyMargin:
             ahead taken as predicted: their median is the seat's bias.
         own_bias: ``observed / predicted`` own prefill of every request that hardly waited,
             whatever its size: their median corrects a non-waiting request's own prefill.
-        compute_prior: the caution on the compute ahead until a band of waits is taught: the
-            predicted compute times this.
-        seat_prior: the same for the wait for a seat (less predictable: running outputs end
-            when they end).
-        own_prior: the same for the own prefill.
         floor_share: a predicted wait (or own prefill) under this share of the budget does not
             teach its band: short times have the largest relative error (a prompt that shares
             its step with an unforeseen neighbour takes twice its 30 ms) and it does not matter
@@ -207,15 +217,13 @@ class SafetyMargin:
             under this share of its own prefill (its TTFT was its prefill's).
     """
 
-    late: Overruns = attrs.field(factory=Overruns)
-    own: Overruns = attrs.field(factory=Overruns)
+    compute_late: Overruns = attrs.field(factory=lambda: Overruns(1.5))
+    seat_late: Overruns = attrs.field(factory=lambda: Overruns(2.0))
+    own: Overruns = attrs.field(factory=lambda: Overruns(1.25))
     every: Ratios = attrs.field(factory=lambda: Ratios(prior=2.0, least=0.0))
     compute: Ratios = attrs.field(factory=_bias_ratios)
     seats: Ratios = attrs.field(factory=_bias_ratios)
     own_bias: Ratios = attrs.field(factory=_bias_ratios)
-    compute_prior: float = 1.5
-    seat_prior: float = 2.0
-    own_prior: float = 1.25
     floor_share: float = 0.05
     own_only_share: float = 0.25
     compute_share: float = 0.1
@@ -289,20 +297,14 @@ class SafetyMargin:
             seat_s: the part of ``wait_s`` that is for a seat.
         """
         typical_wait, typical_own = self.typical(wait_s, own_prefill_s, seat_s, budget_s=budget_s)
-        wait = 0.0
-        if wait_s > 0:
-            late = self.late.over_s(wait_s, budget_s)
-            if late is None:
-                seat_s = min(max(0.0, seat_s), wait_s)
-                cautious = self.compute_prior * (wait_s - seat_s) + self.seat_prior * seat_s
-            else:
-                cautious = wait_s + late
-            wait = max(0.0, max(cautious, overrun * wait_s) - typical_wait)
+        # Each part of the wait as late as waits of its kind and length came.
+        seat_s = min(max(0.0, seat_s), wait_s)
+        cautious = self.compute_late.cautious_s(wait_s - seat_s, budget_s)
+        cautious += self.seat_late.cautious_s(seat_s, budget_s)
+        wait = max(0.0, max(cautious, overrun * wait_s) - typical_wait)
         own = 0.0
-        if own_prefill_s > 0 and not self.waits(wait_s, budget_s):
-            late = self.own.over_s(own_prefill_s, budget_s)
-            cautious = self.own_prior * own_prefill_s if late is None else own_prefill_s + late
-            own = max(0.0, cautious - typical_own)
+        if not self.waits(wait_s, budget_s):
+            own = max(0.0, self.own.cautious_s(own_prefill_s, budget_s) - typical_own)
         # The wait's error and the own prefill's are apart (a queue's, and a step's neighbour):
         # both at their 99th percentile at once is far rarer than either, so their cautions
         # add as independent errors do, root-sum-square, not as a sum.
@@ -326,13 +328,15 @@ class SafetyMargin:
             # What the wait really was, taking the parts that do not wait as predicted.
             waited = observed_s - fixed_s - own_prefill_s
             self.every.add(waited / wait_s)
-            self.late.add(wait_s, budget_s, waited)
             seat_s = min(max(0.0, seat_s), wait_s)
             if seat_s <= self.compute_share * wait_s:
                 self.compute.add(waited / wait_s)
+                self.compute_late.add(wait_s, budget_s, waited)
             elif seat_s >= self.seat_share * wait_s and self.waits(seat_s, budget_s):
                 # The compute ahead taken as predicted: the rest of the error is the seat's.
-                self.seats.add((waited - (wait_s - seat_s)) / seat_s)
+                seated = waited - (wait_s - seat_s)
+                self.seats.add(seated / seat_s)
+                self.seat_late.add(seat_s, budget_s, seated)
         elif own_prefill_s > 0 and wait_s < self.own_only_share * own_prefill_s:
             took = observed_s - fixed_s - wait_s
             self.own_bias.add(took / own_prefill_s)
