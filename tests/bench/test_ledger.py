@@ -40,16 +40,7 @@ from narwhal.sim.ledger import SimLedger
 from narwhal.sim.timing import StepTiming, profile
 from narwhal.sim.transport import SimTransport
 from tests.sim.helpers import LEDGER_COSTS as COSTS
-
-
-def _decoding(batcher: Batcher, *prompts: int) -> list[BatchSeq]:
-    """Sequences past their prefill (one output step each), decoding from the next step."""
-    seqs = [batcher.submit(prompt, 10) for prompt in prompts]
-    while any(seq.emitted == 0 for seq in seqs):
-        step = batcher.next_step()
-        assert step is not None
-        batcher.complete(step)
-    return seqs
+from tests.sim.helpers import decoding
 
 
 def _charges(step: BatchStep, duration_s: float) -> dict[int, float]:
@@ -58,7 +49,7 @@ def _charges(step: BatchStep, duration_s: float) -> dict[int, float]:
 
 def test_a_full_batch_charges_its_whole_step_to_its_sequences() -> None:
     batcher = Batcher(COSTS)
-    first, second = _decoding(batcher, 100, 300)
+    first, second = decoding(batcher, 100, 300)
     step = batcher.next_step()
     assert step is not None and len(step.decodes) == 2 and not step.chunks
     # Contexts 101 and 301: the step costs 4 + 2 + 4.02 ms; each pays half the fixed cost, its
@@ -98,7 +89,7 @@ def test_a_step_never_charges_more_than_it_lasted() -> None:
     # A cost model whose decode step is cheaper than its seats (not linear): cut to the step.
     cheap = attrs.evolve(COSTS, decode_base_ms=4.0)
     batcher = Batcher(cheap)
-    _decoding(batcher, 100, 100)
+    decoding(batcher, 100, 100)
     step = batcher.next_step()
     assert step is not None
     squeezed = attrs.evolve(step, cost_ms=step.cost_ms / 2)

@@ -8,6 +8,7 @@ import orjson
 
 from narwhal.scheduling.profiles import EngineProfile
 from narwhal.sim import SimEngine, SimPlan
+from narwhal.sim.batching import Batcher, BatchSeq
 from narwhal.sim.calibration import EngineType
 
 CHAT = "/v1/chat/completions"
@@ -108,3 +109,13 @@ TOY = EngineProfile(
     kv_capacity_tokens=1000,
 )
 """A small profile with round numbers, for step-by-step tests of the batching model."""
+
+
+def decoding(batcher: Batcher, *prompts: int) -> list[BatchSeq]:
+    """Sequences past their prefill (one output step each), decoding from the next step."""
+    seqs = [batcher.submit(prompt, 10) for prompt in prompts]
+    while any(seq.emitted == 0 for seq in seqs):
+        step = batcher.next_step()
+        assert step is not None
+        batcher.complete(step)
+    return seqs

@@ -19,7 +19,7 @@ from narwhal.sim.ledger import SimLedger, charge_step
 from narwhal.sim.timing import StepTiming, profile
 from narwhal.sim.transport import SimTransport
 from tests.sim.helpers import LEDGER_COSTS as COSTS
-from tests.sim.helpers import MESSAGES, MODEL
+from tests.sim.helpers import MESSAGES, MODEL, decoding
 
 SHIFT = 100.0  # the ledger's clock reads the Trio clock plus this
 
@@ -33,21 +33,12 @@ def _jittering(rng: random.Random) -> Callable[[], float]:
     return lambda: _on_clock(rng.uniform(-1e-6, 1e-6))
 
 
-def _decoding(batcher: Batcher, *prompts: int) -> list[BatchSeq]:
-    seqs = [batcher.submit(prompt, 10) for prompt in prompts]
-    while any(seq.emitted == 0 for seq in seqs):
-        step = batcher.next_step()
-        assert step is not None
-        batcher.complete(step)
-    return seqs
-
-
 async def test_a_step_across_bucket_edges_is_split_by_its_time_in_each(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     ledger = SimLedger(COSTS, clock=_on_clock)
     batcher = Batcher(COSTS)
-    tagged, untagged = _decoding(batcher, 100, 300)
+    tagged, untagged = decoding(batcher, 100, 300)
     ledger.submitted(tagged, "req-a")
     ledger.submitted(untagged, None)
     step = batcher.next_step()
