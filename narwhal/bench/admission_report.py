@@ -14,7 +14,6 @@ import attrs
 
 from narwhal.bench.goodput import (
     ENGINE_BUSY,
-    NOT_RUN,
     PASS,
     REFUSAL_CODES,
     REJECTION_CODES,
@@ -107,32 +106,32 @@ class SeedsReport:
 
     @property
     def checks(self) -> tuple[Check, ...]:
-        """Every seed's checks, together."""
-        return tuple(check for _, report in self.reports for check in report.checks)
+        """Every seed's checks, seed after seed, each seed holding every check any seed has
+        (one it lacks is ``NOT RUN`` there)."""
+        rows = self.by_check()
+        return tuple(row[number] for number in range(len(self.reports)) for _, row in rows)
 
     @property
     def verdict(self) -> str:
-        """``PASS`` (every check of every seed ran and passed), ``FAIL`` or ``INCOMPLETE``
-        (a check one seed has and another lacks did not run there)."""
-        return overall_verdict(
-            None if check is None else check.passed
-            for _, checks in self.by_check()
-            for check in checks
-        )
+        """``PASS`` (every check of every seed ran and passed), ``FAIL`` or ``INCOMPLETE``."""
+        return overall_verdict(check.passed for check in self.checks)
 
     @property
     def passed(self) -> bool:
         """Every seed's every target was checked and passed."""
         return self.verdict == PASS
 
-    def by_check(self) -> list[tuple[str, list[Check | None]]]:
-        """Each check's name (in the first seed's order) and its check in each seed (``None``
-        where that seed has no check of that name)."""
+    def by_check(self) -> list[tuple[str, list[Check]]]:
+        """Each check's name (in the first seed's order) and its check in each seed (a
+        ``NOT RUN`` stand-in where that seed has no check of that name)."""
         names: dict[str, None] = {}
         for _, report in self.reports:
             names.update((check.name, None) for check in report.checks)
         found = [{check.name: check for check in report.checks} for _, report in self.reports]
-        return [(name, [checks.get(name) for checks in found]) for name in names]
+        return [
+            (name, [checks.get(name) or Check(name, None, "n/a", "-") for checks in found])
+            for name in names
+        ]
 
     def as_json(self) -> dict[str, Any]:
         """The JSON report: each seed's whole report under ``by_seed``, and each check's
@@ -145,12 +144,10 @@ class SeedsReport:
                 {
                     "name": name,
                     "verdicts": {
-                        seed: NOT_RUN if check is None else check.verdict
-                        for seed, check in zip(seeds, checks, strict=True)
+                        seed: check.verdict for seed, check in zip(seeds, checks, strict=True)
                     },
                     "measured": {
-                        seed: None if check is None else check.measured
-                        for seed, check in zip(seeds, checks, strict=True)
+                        seed: check.measured for seed, check in zip(seeds, checks, strict=True)
                     },
                 }
                 for name, checks in self.by_check()
@@ -172,18 +169,10 @@ class SeedsReport:
             + "".join(f"  {'seed ' + str(seed):>{column}}" for seed, _ in self.reports)
         )
         for name, checks in rows:
-            cells = (
-                NOT_RUN if check is None else f"{check.measured.strip()} {check.verdict}"
-                for check in checks
-            )
+            cells = (f"{check.measured.strip()} {check.verdict}" for check in checks)
             lines.append(f"{name:<{width}}" + "".join(f"  {cell:>{column}}" for cell in cells))
         seeds = ", ".join(f"seed {seed}: {report.verdict}" for seed, report in self.reports)
-        judged = [
-            Check(name, None if check is None else check.passed, "", "")
-            for name, checks in rows
-            for check in checks
-        ]
-        lines += ["", f"{verdict_line(self.verdict, judged)} ({seeds})"]
+        lines += ["", f"{verdict_line(self.verdict, self.checks)} ({seeds})"]
         return "\n".join(lines)
 
 
