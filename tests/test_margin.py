@@ -54,9 +54,10 @@ def _waited(margin: SafetyMargin, predicted_wait: float, observed_wait: float) -
 
 def test_until_requests_have_taught_it_the_caution_is_the_prior() -> None:
     margin = SafetyMargin()
-    # 1.5 times the compute ahead, 2 times a seat's wait, 1.25 times an idle prompt's prefill.
+    # 1.5 times the compute ahead, 2 times a seat's wait (the two root-sum-square), 1.25 times
+    # an idle prompt's prefill.
     assert margin.caution_s(1.0, 0.1) == pytest.approx(0.5)
-    assert margin.caution_s(1.0, 0.1, seat_s=0.4) == pytest.approx(0.6 * 0.5 + 0.4 * 1.0)
+    assert margin.caution_s(1.0, 0.1, seat_s=0.4) == pytest.approx(math.hypot(0.6 * 0.5, 0.4))
     assert margin.caution_s(0.0, 1.0) == pytest.approx(0.25)
     for _ in range(31):
         _waited(margin, 1.0, 1.0)
@@ -277,6 +278,31 @@ def test_each_part_of_the_typical_wait_is_corrected_by_its_own_median() -> None:
     assert margin.typical(1.0, 0.1) == pytest.approx((1.2, 0.1))  # no seat: the compute's
     # The every-wait median, 1.1 here, would have put both at 1.1.
     assert margin.every.median == pytest.approx(1.1)
+
+
+def test_the_computes_and_the_seats_cautions_add_as_independent_errors() -> None:
+    """A wait partly for the compute ahead and partly for a seat: each part's caution is how
+    late waits of its kind came beyond their typical, and the two add root-sum-square (a
+    prefill's speed and an output's length err apart). On the bursty trace a small seat at its
+    untaught prior of 2, summed onto a long compute wait, refused waits that came in on time."""
+    margin = quick(min_samples=3)
+    fixed, own = 0.01, 0.1
+
+    def waited(wait: float, seat: float, observed_wait: float) -> None:
+        margin.observe(fixed, wait, own, fixed + observed_wait + own, budget_s=BUDGET, seat_s=seat)
+
+    for observed in (0.5, 0.54, 0.8):  # 0.6 s compute waits: typical 0.9 of it, 0.2 s late
+        waited(0.6, 0.0, observed)
+    for observed in (0.5, 0.6, 0.9):  # 0.6 s seats (0.2 s of compute taken as predicted)
+        waited(0.8, 0.6, observed + 0.2)
+    # A 1.2 s wait, 0.6 s of it for a seat: the compute's 0.6 s at 0.9 typical and at most
+    # 0.2 s late (0.26 s beyond typical); the seat's 0.6 s at 1.0 typical, 0.3 s late.
+    assert margin.typical(1.2, 0.1, 0.6) == pytest.approx((0.6 * 0.9 + 0.6, 0.1))
+    compute_over = 0.6 + 0.2 - 0.6 * 0.9
+    seat_over = 0.6 + 0.3 - 0.6
+    assert margin.caution_s(1.2, 0.1, seat_s=0.6) == pytest.approx(
+        math.hypot(compute_over, seat_over)
+    )
 
 
 def test_the_wait_and_the_own_prefill_cautions_add_as_independent_errors() -> None:

@@ -171,10 +171,10 @@ def test_the_safety_margin_of_a_waiting_request_is_on_its_wait() -> None:
     assert typical.wait_s > 0.1 and typical.own_prefill_s > 0
     # The four prompts ahead are compute; the decode step they prefill beside depends on the
     # running batch, and counts with the seats (prior 2). The wait's error holds the own
-    # prefill's: no caution on it apart.
+    # prefill's: no caution on it apart. The two parts' cautions add root-sum-square.
     compute = 4 * H100.prefill_chunk_ms(0, 1000) / 1000
     assert typical.seat_s == pytest.approx(typical.wait_s - compute)
-    wait_caution = 0.5 * compute + 1.0 * typical.seat_s
+    wait_caution = math.hypot(0.5 * compute, 1.0 * typical.seat_s)
     assert cautious.ttft_s == pytest.approx(typical.ttft_s + wait_caution)
 
 
@@ -185,7 +185,7 @@ def test_the_safety_margin_of_a_request_that_hardly_waits_is_on_both_apart() -> 
     margin = SafetyMargin(own=Overruns(1.1))
     cautious = _project(engine, ahead, overhead_s=0.005, margin=margin)
     assert 0 < typical.wait_s < 0.1 and typical.own_prefill_s > 0
-    wait_caution = 0.5 * (typical.wait_s - typical.seat_s) + 1.0 * typical.seat_s
+    wait_caution = math.hypot(0.5 * (typical.wait_s - typical.seat_s), 1.0 * typical.seat_s)
     own_caution = 0.1 * typical.own_prefill_s
     # The two cautions add as independent errors do (root-sum-square), not as a sum.
     caution = math.hypot(wait_caution, own_caution)

@@ -28,7 +28,8 @@ The typical projection corrects each part by its learned bias (the median of its
 ratios): the compute ahead and the wait for a seat each by its own, the own prefill of a
 request that hardly waits by that of such requests (a waiting request's own prefill is taken
 as predicted, as its wait's error was measured). The projection decided on adds to it the
-wait's caution and the own prefill's as independent errors add, root-sum-square. The learned
+cautions of the compute ahead, the seat and the own prefill, each how far its high quantile
+lies beyond its typical, as independent errors add: root-sum-square. The learned
 overruns only know requests that have finished waiting; when the requests waiting now have
 already overrun their predicted waits by more (the queue runs late now), that overrun is the
 wait's. Until enough requests have taught a band, the caution is a cautious prior: 1.5 times
@@ -269,11 +270,18 @@ class SafetyMargin:
         own = own_prefill_s
         if not self.waits(wait_s, budget_s):
             own *= self.own_bias.median
+        seat_s = min(max(0.0, seat_s), wait_s)
+        compute, seat = self._typical_parts(wait_s - seat_s, seat_s)
+        return compute + seat, own
+
+    def _typical_parts(self, compute_s: float, seat_s: float) -> tuple[float, float]:
+        """The compute ahead and the seat's wait, each corrected by its bias (both by every
+        wait's until both parts are taught)."""
         compute, seat = self.compute, self.seats
         if compute.samples < compute.min_samples or seat.samples < seat.min_samples:
-            return wait_s * self.every.median, own
-        seat_s = min(max(0.0, seat_s), wait_s)
-        return (wait_s - seat_s) * compute.median + seat_s * seat.median, own
+            every = self.every.median
+            return compute_s * every, seat_s * every
+        return compute_s * compute.median, seat_s * seat.median
 
     def caution_s(
         self,
@@ -296,12 +304,17 @@ class SafetyMargin:
             budget_s: the budget (each band is a share of it).
             seat_s: the part of ``wait_s`` that is for a seat.
         """
-        typical_wait, typical_own = self.typical(wait_s, own_prefill_s, seat_s, budget_s=budget_s)
-        # Each part of the wait as late as waits of its kind and length came.
+        typical_own = self.typical(wait_s, own_prefill_s, seat_s, budget_s=budget_s)[1]
         seat_s = min(max(0.0, seat_s), wait_s)
-        cautious = self.compute_late.cautious_s(wait_s - seat_s, budget_s)
-        cautious += self.seat_late.cautious_s(seat_s, budget_s)
-        wait = max(0.0, max(cautious, overrun * wait_s) - typical_wait)
+        compute_s = wait_s - seat_s
+        typical_compute, typical_seat = self._typical_parts(compute_s, seat_s)
+        typical_wait = typical_compute + typical_seat
+        # Each part of the wait as late as waits of its kind and length came, beyond its
+        # typical; the two err apart (a prefill's speed and neighbours, outputs' lengths), so
+        # their cautions add root-sum-square, as the wait's and the own prefill's do.
+        compute_over = max(0.0, self.compute_late.cautious_s(compute_s, budget_s) - typical_compute)
+        seat_over = max(0.0, self.seat_late.cautious_s(seat_s, budget_s) - typical_seat)
+        wait = max(0.0, math.hypot(compute_over, seat_over), overrun * wait_s - typical_wait)
         own = 0.0
         if not self.waits(wait_s, budget_s):
             own = max(0.0, self.own.cautious_s(own_prefill_s, budget_s) - typical_own)
