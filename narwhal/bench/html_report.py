@@ -198,8 +198,9 @@ def _title(name: str, report: Mapping[str, Any]) -> str:
     parts = [name]
     if isinstance(settings.get("trace"), str):
         parts.append(f"trace {settings['trace']}")
-    if _num(settings.get("seed")) is not None:
-        parts.append(f"seed {settings['seed']}")
+    seed = settings.get("seed")
+    if _num(seed) is not None and not name.endswith(f", seed {seed}"):  # a --seeds section
+        parts.append(f"seed {seed}")
     verdict = report.get("verdict")
     return ", ".join(parts) + (f": {verdict}" if isinstance(verdict, str) else "")
 

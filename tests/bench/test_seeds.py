@@ -7,6 +7,7 @@ several seeds passes only if each seed's does.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,12 @@ def test_the_json_keeps_each_seeds_report_and_the_report_page_reads_it(
     assert [name for name, _ in sections] == ["seeds.json, seed 0", "seeds.json, seed 1"]
     output = tmp_path / "seeds.html"
     assert main(["report", str(path), "-o", str(output)]) == 0
-    assert output.read_text().count("<section ") == 2
+    page = output.read_text()
+    assert page.count("<section ") == 2
+    # Each section names its seed once (the section's name has it; the settings repeat it).
+    headings = re.findall(r"<h2>([^<]*)</h2>", page)
+    assert [heading.count(", seed ") for heading in headings] == [1, 1]
+    assert headings[0].startswith("seeds.json, seed 0, trace ")
 
 
 @pytest.mark.parametrize(
