@@ -73,19 +73,14 @@ class Ratios:
     @property
     def factor(self) -> float:
         """The quantile of the ratios held (or the prior), at least ``least``."""
-        ordered = self._ordered
-        if len(ordered) < self.min_samples:
-            return self.prior
-        return max(self.least, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
+        high = self.at(self.quantile)
+        return self.prior if high is None else max(self.least, high)
 
     @property
     def high(self) -> float | None:
         """The quantile of the values held, whatever its sign (``None`` before
         ``min_samples``)."""
-        ordered = self._ordered
-        if len(ordered) < self.min_samples:
-            return None
-        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        return self.at(self.quantile)
 
     def at(self, quantile: float) -> float | None:
         """The ``quantile`` of the values held (``None`` before ``min_samples``)."""
