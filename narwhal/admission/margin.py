@@ -294,12 +294,15 @@ class SafetyMargin:
         waiting request's own prefill is inside its wait's error, which was measured with it
         taken as predicted (its bias applied there too counted a step's neighbour twice).
         """
-        own = own_prefill_s
-        if not self.waits(wait_s, budget_s):
-            own *= self.own_bias.median
         seat_s = min(max(0.0, seat_s), wait_s)
         compute, seat = self._typical_parts(wait_s - seat_s, seat_s)
-        return compute + seat, own
+        return compute + seat, self._typical_own(wait_s, own_prefill_s, budget_s)
+
+    def _typical_own(self, wait_s: float, own_prefill_s: float, budget_s: float) -> float:
+        """The own prefill, corrected by its bias only for a request that hardly waits."""
+        if self.waits(wait_s, budget_s):
+            return own_prefill_s
+        return own_prefill_s * self.own_bias.median
 
     def _typical_parts(self, compute_s: float, seat_s: float) -> tuple[float, float]:
         """The compute ahead and the seat's wait, each corrected by its bias (both by every
@@ -331,7 +334,6 @@ class SafetyMargin:
             budget_s: the budget (each band is a share of it).
             seat_s: the part of ``wait_s`` that is for a seat.
         """
-        typical_own = self.typical(wait_s, own_prefill_s, seat_s, budget_s=budget_s)[1]
         seat_s = min(max(0.0, seat_s), wait_s)
         compute_s = wait_s - seat_s
         typical_compute, typical_seat = self._typical_parts(compute_s, seat_s)
@@ -347,7 +349,8 @@ class SafetyMargin:
         wait = max(0.0, math.hypot(compute_over, seat_over), overrun * wait_s - typical_wait)
         own = 0.0
         if not self.waits(wait_s, budget_s):
-            own = max(0.0, self.own.cautious_s(own_prefill_s, budget_s, quantile) - typical_own)
+            cautious_own = self.own.cautious_s(own_prefill_s, budget_s, quantile)
+            own = max(0.0, cautious_own - self._typical_own(wait_s, own_prefill_s, budget_s))
         # The wait's error and the own prefill's are apart (a queue's, and a step's neighbour):
         # both at their 99th percentile at once is far rarer than either, so their cautions
         # add as independent errors do, root-sum-square, not as a sum.
