@@ -44,9 +44,10 @@ Definitions (``benchmarks/README.md`` says the same for readers of the report):
   the capacity is the closed loop's rate of the trace's mix, which a policy admitting short
   requests can pass.
 * **deadline bound** (beside the headline, not a verdict's; :func:`deadline_bound`): the least
-  of the bound, what the requests arriving in any piece of time can count when their prefills
-  must fit in the engines' time of the piece plus the budget, and what the engines could do
-  inside the window with the work that had arrived. It sees a trace's bursts and silences.
+  of the bound, the most work that can count when every request in budget has its prefill done
+  within its own budget window by the engines (the exact optimum of a relaxation: the engines
+  as one machine, fractions of requests, the decode free), and what the engines could do inside
+  the window with the work that had arrived. It sees a trace's bursts and silences.
 
 A verdict is ``PASS``, ``FAIL`` or ``NOT RUN`` (its figure was not measured), and the overall
 verdict (:func:`overall_verdict`) is ``PASS`` only when every target was checked and passed.
@@ -262,6 +263,17 @@ class Work:
             costs.prefill_chunk_ms(0, prompt_tokens) * scale for costs, scale in self.engines
         )
         return least / 1000.0 * self.fastest
+
+    def prefill_share(self, prompt_tokens: int, output_tokens: int) -> float:
+        """The least share of a request's engine time that is its prefill, on any engine of the
+        pool (an engine's scale and a slowdown multiply both parts alike): wherever it runs, each
+        second of its work holds at least this much prefill (:func:`deadline_bound`)."""
+        shares = []
+        for costs, _ in self.engines:
+            prefill, decode = engine_parts(costs, prompt_tokens, output_tokens)
+            if prefill + decode > 0:
+                shares.append(prefill / (prefill + decode))
+        return min(shares, default=0.0)
 
     def seconds(self, prompt_tokens: int, output_tokens: int) -> float:
         """A request's work, in pool-mean engine seconds."""
@@ -801,10 +813,7 @@ def replay_figures(
     estimated = sum(1 for o in offered_work if o.engine_work_s is None)
     bound_engine = bound(offered_engine, capacity.ceiling)
     deadline_engine = deadline_bound(
-        (
-            (o.arrival_s, work.least_prefill_s(o.prompt_tokens), _engine_time(work, (o,), window))
-            for o in offered_work
-        ),
+        (_deadline_item(work, outcome, window) for outcome in offered_work),
         engines=len(work.engines),
         budget_s=budget_s,
         window=window,
@@ -862,59 +871,143 @@ def replay_figures(
     )
 
 
-DEADLINE_PIECES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-"""The lengths of the pieces :func:`deadline_bound` cuts time into, in budgets."""
-
-
 def deadline_bound(
     items: Iterable[tuple[float, float, float]], *, engines: int, budget_s: float, window: Window
 ) -> float | None:
     """A bound on engine goodput that knows the budget is a deadline (engine time per second of
     ``window``; ``None`` for an empty window).
 
-    ``items`` are ``(arrival_s, least_prefill_s, work_s)`` for every request that could count
-    in goodput: its arrival, the least engine time its prefill takes anywhere
-    (:meth:`Work.least_prefill_s`), and the engine time it may count inside the window. A
-    request in budget has its whole prefill done between its arrival and its arrival plus the
-    budget, and the engines run at most ``engines`` seconds of steps a second. So the requests
-    arriving in a piece of time of length ``L`` that are served in budget fit their prefills in
-    ``engines x (L + budget)``: the most work they can count is a fractional knapsack (by work
-    per prefill second) of that size. The sum over the pieces bounds goodput, and so does the
-    same sum for any other cut; this is the least over cuts of :data:`DEADLINE_PIECES` budgets
-    long, at two offsets. Every relaxation (prefill alone constrained, fractions allowed, decode
-    free) only loosens it: no policy can beat it. Unlike ``min(offered, capacity)``, it sees that
-    a burst of prompts that no pool can prefill within the budget cannot all count.
+    ``items`` are ``(arrival_s, prefill_s, work_s)`` for every request that could count in
+    goodput: its arrival, the least engine time its prefill takes behind ``work_s`` (in the
+    engine time ``work_s`` is counted in: see :func:`replay_figures`), and the engine time it
+    may count inside the window. A request in budget has its whole prefill done between its
+    arrival and its arrival plus the budget, and the engines run at most ``engines`` seconds of
+    steps a second. The bound is the most work that can count under those constraints alone:
+    the engines taken as one machine ``engines`` times as fast that may split its time between
+    prompts at will (fluid, preemptive), fractions of requests allowed, each request's decode
+    and everything but its prefill free. Every one of those relaxations only loosens it: no
+    policy can beat it. Unlike ``min(offered, capacity)``, it sees that a burst of prompts that
+    no pool can prefill within the budget cannot all count, and that the budget windows of
+    bursts close together share the engines' time.
 
-    It is also at most what the engines could do inside the window with the work that had
-    arrived, budget or not: a pool that works whenever there is work, starting the window with
-    every earlier request's work still to do (the most any schedule can have left), serves at
-    ``engines`` seconds a second. A trace whose window holds long silences cannot fill it.
+    It is the exact optimum of that relaxation (:func:`_most_in_time`). It is also at most what
+    the engines could do inside the window with the work that had arrived, budget or not: a
+    pool that works whenever there is work, starting the window with every earlier request's
+    work still to do (the most any schedule can have left), serves at ``engines`` seconds a
+    second. A trace whose window holds long silences cannot fill it.
     """
     length = window.length_s
     if length <= 0:
         return None
     items = [(arrival, prefill, work) for arrival, prefill, work in items if work > 0]
-    best = math.inf
-    for pieces in DEADLINE_PIECES:
-        piece = pieces * budget_s
-        for offset in (0.0, 0.5):
-            origin = window.start_s - offset * piece
-            cut: dict[int, list[tuple[float, float]]] = {}
-            for arrival, prefill, work in items:
-                cut.setdefault(math.floor((arrival - origin) / piece), []).append((prefill, work))
-            total = 0.0
-            for requests in cut.values():
-                room = engines * (piece + budget_s)
-                requests.sort(key=lambda pw: pw[1] / pw[0] if pw[0] > 0 else math.inf, reverse=True)
-                for prefill, work in requests:
-                    if prefill <= room:
-                        total += work
-                        room -= prefill
-                    else:
-                        total += work * room / prefill
-                        break
-            best = min(best, total)
-    return min(best, _served_in(items, engines, window)) / length
+    most = _most_in_time(items, float(engines), budget_s)
+    return min(most, _served_in(items, engines, window)) / length
+
+
+def _most_in_time(
+    items: Sequence[tuple[float, float, float]], speed: float, budget_s: float
+) -> float:
+    """The most work of ``items`` (``(arrival_s, prefill_s, work_s)``) whose prefills one
+    machine of ``speed`` can do, each between its arrival and its arrival plus ``budget_s``
+    (fractions allowed, the machine's time split at will): :func:`_prefill_done`'s."""
+    ordered = sorted(items)
+    done = _prefill_done(ordered, speed, budget_s)
+    return sum(
+        work if prefill <= 0 else work * amount / prefill
+        for (_, prefill, work), amount in zip(ordered, done, strict=True)
+    )
+
+
+def _prefill_done(
+    items: Sequence[tuple[float, float, float]], speed: float, budget_s: float
+) -> list[float]:
+    """How much of each request's prefill (``items`` sorted, ``(arrival_s, prefill_s,
+    work_s)``) the most work in time does (:func:`_most_in_time`).
+
+    What is done of each request, ``q``, is schedulable when, for every run of requests ``j ..
+    k`` in arrival order, ``q_j + ... + q_k <= speed * (arrival_k + budget_s - arrival_j)``
+    (every request's window is as long, so the requests inside any interval are such a run, and
+    earliest deadline first meets every deadline when each interval holds its work). Those
+    vectors form a polymatroid, over which a linear objective is maximised greedily: requests by
+    work per prefill second, most first, each given as much prefill as every run through it
+    still holds. The slack of the runs through request ``m`` is ``min over k >= m of A_k - max
+    over j <= m of B_j + speed * budget_s``, with ``A_k = speed * arrival_k - (q_0 + ... +
+    q_k)`` and ``B_j = speed * arrival_j - (q_0 + ... + q_(j-1))``: two trees keep both under
+    the additions, ``O(n log n)`` in all.
+    """
+    count = len(items)
+    done = [0.0] * count
+    ends = _MinTree([speed * arrival for arrival, _, _ in items])  # A_k
+    starts = _MinTree([-speed * arrival for arrival, _, _ in items])  # -B_j
+    for index in sorted(range(count), key=lambda i: _density(items[i]), reverse=True):
+        prefill = items[index][1]
+        if prefill <= 0:
+            continue
+        slack = ends.least(index, count) + starts.least(0, index + 1) + speed * budget_s
+        amount = min(prefill, slack)
+        if amount <= 0:
+            continue
+        done[index] = amount
+        ends.add(index, count, -amount)
+        starts.add(index + 1, count, amount)
+    return done
+
+
+def _density(item: tuple[float, float, float]) -> float:
+    """Work per prefill second (a request without prefill first)."""
+    _, prefill, work = item
+    return work / prefill if prefill > 0 else math.inf
+
+
+class _MinTree:
+    """Numbers that take additions over ranges and answer the least of a range (a segment tree
+    with lazy additions)."""
+
+    __slots__ = ("_added", "_least", "_size")
+
+    def __init__(self, values: Sequence[float]) -> None:
+        size = 1
+        while size < len(values):
+            size *= 2
+        self._size = size
+        self._least = [math.inf] * (2 * size)
+        self._added = [0.0] * (2 * size)
+        self._least[size : size + len(values)] = values
+        for node in range(size - 1, 0, -1):
+            self._least[node] = min(self._least[2 * node], self._least[2 * node + 1])
+
+    def add(self, start: int, stop: int, value: float) -> None:
+        """Add ``value`` to positions ``start .. stop - 1``."""
+        self._add(start, stop, value, 1, 0, self._size)
+
+    def least(self, start: int, stop: int) -> float:
+        """The least of positions ``start .. stop - 1`` (infinity for none)."""
+        return self._min(start, stop, 1, 0, self._size)
+
+    def _add(self, start: int, stop: int, value: float, node: int, low: int, high: int) -> None:
+        if stop <= low or high <= start:
+            return
+        if start <= low and high <= stop:
+            self._least[node] += value
+            self._added[node] += value
+            return
+        middle = (low + high) // 2
+        self._add(start, stop, value, 2 * node, low, middle)
+        self._add(start, stop, value, 2 * node + 1, middle, high)
+        children = min(self._least[2 * node], self._least[2 * node + 1])
+        self._least[node] = children + self._added[node]
+
+    def _min(self, start: int, stop: int, node: int, low: int, high: int) -> float:
+        if stop <= low or high <= start:
+            return math.inf
+        if start <= low and high <= stop:
+            return self._least[node]
+        middle = (low + high) // 2
+        children = min(
+            self._min(start, stop, 2 * node, low, middle),
+            self._min(start, stop, 2 * node + 1, middle, high),
+        )
+        return children + self._added[node]
 
 
 def _served_in(items: Sequence[tuple[float, float, float]], engines: int, window: Window) -> float:
@@ -931,6 +1024,23 @@ def _served_in(items: Sequence[tuple[float, float, float]], engines: int, window
         backlog += work - done
         now = arrival
     return served
+
+
+def _deadline_item(work: Work, outcome: Outcome, window: Window) -> tuple[float, float, float]:
+    """``(arrival_s, prefill_s, work_s)`` of one request for :func:`deadline_bound`: its engine
+    time inside ``window`` and the least prefill behind it, in the same engine time.
+
+    The prefill is the least any engine takes for the prompt, or the prompt's least share of
+    the request's work times that work, whichever is more. A request's work is counted where it
+    ran (on a slower engine, or in a slowdown, a prefill takes more engine time and so does the
+    work it counts), so the prefill behind it is too: the fastest engine's prefill alone, set
+    against work counted on the slowest, would let a request count several times the engine
+    time its place in the budget window holds.
+    """
+    work_s = _engine_time(work, (outcome,), window)
+    share = work.prefill_share(outcome.prompt_tokens, outcome.output_tokens)
+    prefill_s = max(work.least_prefill_s(outcome.prompt_tokens), share * work_s)
+    return outcome.arrival_s, prefill_s, work_s
 
 
 def _engine_time(work: Work, outcomes: Sequence[Outcome], window: Window) -> float:

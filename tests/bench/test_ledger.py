@@ -9,6 +9,8 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from narwhal.bench.admission_realtime import (
     EngineLedger,
@@ -25,6 +27,8 @@ from narwhal.bench.goodput import (
     StepRecord,
     Window,
     Work,
+    _most_in_time,
+    _prefill_done,
     charge_step,
     deadline_bound,
     evaluate,
@@ -475,12 +479,12 @@ async def test_real_time_goodput_cannot_pass_the_bound_whatever_the_ledgers_hold
 
 def test_a_burst_no_pool_can_prefill_in_time_counts_only_what_fits() -> None:
     """100 prompts of 1 s of prefill each at one instant, two engines, a 2 s budget: in budget,
-    at most what two engines prefill within the budget (of the tightest piece, half a second
-    long here: 2 x 2.5 s) can count, whatever the policy; spread out, all of it can."""
+    at most what two engines prefill within the budget (2 x 2 s) can count, whatever the
+    policy; spread out, all of it can."""
     window = Window(0.0, 100.0)
     burst = [(10.0, 1.0, 3.0)] * 100  # arrival, least prefill, work
     bound = deadline_bound(burst, engines=2, budget_s=2.0, window=window)
-    assert bound == pytest.approx(2 * 2.5 * 3.0 / 100.0)
+    assert bound == pytest.approx(2 * 2.0 * 3.0 / 100.0)
     spread = [(float(arrival), 1.0, 3.0) for arrival in range(0, 100, 4)]
     assert deadline_bound(spread, engines=2, budget_s=2.0, window=window) == pytest.approx(
         25 * 3.0 / 100.0
@@ -488,9 +492,92 @@ def test_a_burst_no_pool_can_prefill_in_time_counts_only_what_fits() -> None:
     # What fits is taken by work per prefill second: the long answers to short prompts first.
     mixed = [(10.0, 5.0, 5.0), (10.0, 0.5, 4.0), (10.0, 0.5, 4.0)]
     assert deadline_bound(mixed, engines=1, budget_s=2.0, window=window) == pytest.approx(
-        (4.0 + 4.0 + 5.0 * (2.5 - 1.0) / 5.0) / 100.0
+        (4.0 + 4.0 + 5.0 * (2.0 - 1.0) / 5.0) / 100.0
     )
     assert deadline_bound(burst, engines=2, budget_s=2.0, window=Window(5.0, 5.0)) is None
+
+
+def test_bursts_whose_budget_windows_overlap_share_the_engines_time() -> None:
+    """Ten 1 s prompts at t=10 and ten more at t=11, two engines, a 2 s budget: their windows,
+    10 to 12 and 11 to 13, hold 6 s of the engines between them, so six prompts count, however
+    the work is cut (each burst alone would fit four: eight in all, which no schedule does)."""
+    window = Window(0.0, 100.0)
+    bursts = [(10.0, 1.0, 2.0)] * 10 + [(11.0, 1.0, 2.0)] * 10
+    assert deadline_bound(bursts, engines=2, budget_s=2.0, window=window) == pytest.approx(
+        6 * 2.0 / 100.0
+    )
+    # A later burst's denser work displaces the earlier burst's in the time they share: the
+    # first keeps only what the second cannot use (its window starts a second sooner).
+    dense = [(10.0, 1.0, 1.0)] * 10 + [(11.0, 1.0, 3.0)] * 10
+    assert deadline_bound(dense, engines=2, budget_s=2.0, window=window) == pytest.approx(
+        (4 * 3.0 + 2 * 1.0) / 100.0
+    )
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 20.0),
+            st.floats(0.01, 3.0),
+            st.floats(0.01, 10.0),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(1, 3),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_deadline_bound_is_a_schedule_that_meets_every_deadline(
+    items: list[tuple[float, float, float]], engines: int
+) -> None:
+    """What the bound counts of each request, prefilled earliest deadline first by the engines
+    taken together, is done within every request's budget window (so the bound is reached by a
+    schedule of the relaxation), and no single cut of time counts less."""
+    budget = 2.0
+    ordered = sorted(items)
+    done = _prefill_done(ordered, float(engines), budget)
+    clock = 0.0
+    for (arrival, prefill, _), amount in zip(ordered, done, strict=True):
+        assert 0.0 <= amount <= prefill
+        clock = max(clock, arrival) + amount / engines
+        assert clock <= arrival + budget + 1e-6
+    # One piece holding every arrival: a knapsack of engines x (span + budget) bounds it too.
+    room = engines * (ordered[-1][0] - ordered[0][0] + budget)
+    knapsack = 0.0
+    for _, prefill, work in sorted(items, key=lambda item: item[2] / item[1], reverse=True):
+        take = min(prefill, room)
+        knapsack += work * take / prefill
+        room -= take
+    assert _most_in_time(items, float(engines), budget) <= knapsack * (1 + 1e-9)
+
+
+def test_a_request_counted_on_a_slow_engine_needs_as_slow_a_prefill() -> None:
+    """A burst served on the pool's slower engine (three times the faster's cost) counts three
+    times the engine time, and its prefills take three times as long there: the deadline bound
+    weighs each request's prefill in the engine time its work is counted in, never the fast
+    engine's prefill against the slow engine's work."""
+    pool = Work(((COSTS, 1.0), (COSTS, 3.0)))
+    share = pool.prefill_share(2000, 2)
+    assert 0.0 < share < 1.0
+    counted = 3 * Work.of(COSTS).seconds(2000, 2)  # on the slow engine, whole in the window
+    outcomes = [
+        Outcome(i, 5.0, 2000, 2, 200, None, 0.5, 6.5, engine_work_s=counted) for i in range(400)
+    ]
+    figures = replay_figures(
+        outcomes,
+        load=3.0,
+        mode="predictive",
+        budget_s=2.0,
+        offered_rps=40.0,
+        capacity=Capacity(rps=10.0, engine_s_per_s=2.0, engines=2),
+        work=pool,
+        window=Window(0.0, 10.0),
+    )
+    # Two engines for the 2 s of the burst's budget: 4 s of prefill, each second of it behind
+    # 1 / share seconds of work (the fast engine's prefill would have let 200 of them count,
+    # more than the engines can do in the 5 s left of the window).
+    assert figures.deadline_engine == pytest.approx(2 * 2.0 / share / 10.0)
+    assert figures.deadline_engine < len(outcomes) * counted / 10.0
 
 
 def test_a_window_of_silences_is_bound_by_the_work_that_arrived() -> None:
