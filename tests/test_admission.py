@@ -331,6 +331,9 @@ async def test_metrics_show_queue_retention_and_occupancy(
     assert "narwhal_queue_wait_seconds_bucket" in text
     assert "narwhal_predicted_ttft_error_ratio_bucket" in text
     assert "narwhal_admission_safety_factor 2.0" in text  # the prior: nothing learned yet
+    # Too few outcomes to call calm: the cautions are read at the 99th percentile.
+    assert "narwhal_admission_caution_quantile 0.99" in text
+    assert "narwhal_admission_recent_misses 0.0" in text
 
 
 def test_serving_config_keeps_its_defaults() -> None:

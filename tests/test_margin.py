@@ -82,10 +82,12 @@ def test_while_what_is_admitted_meets_the_budget_the_caution_is_the_98th_percent
     def missed() -> None:  # an idle long prompt whose first token came after the budget
         margin.observe(0.0, 0.0, 1.0, BUDGET + 0.5, budget_s=BUDGET)
 
+    assert (margin.caution_quantile, margin.recent_misses) == (0.98, 0)
     missed()
     assert margin.quantile == 0.98  # one miss in 200 is inside the target
     missed()
     assert margin.quantile is None
+    assert (margin.caution_quantile, margin.recent_misses) == (0.99, 2)
     assert margin.caution_s(1.0, 0.1) == pytest.approx(1.495 - 1.25)  # the 99th percentile
 
 

@@ -258,6 +258,19 @@ class SafetyMargin:
         return None
 
     @property
+    def caution_quantile(self) -> float:
+        """The quantile the parts' cautions are read at now
+        (``narwhal_admission_caution_quantile``): :attr:`quantile`, else each band's own."""
+        calm = self.quantile
+        return self.compute_late.bands[0].quantile if calm is None else calm
+
+    @property
+    def recent_misses(self) -> int:
+        """How many of the last ``outcomes`` admitted requests missed the budget
+        (``narwhal_admission_recent_misses``)."""
+        return self._misses
+
+    @property
     def wait(self) -> Ratios:
         """Every wait's ratio: their median is the wait's bias, their high quantile
         ``narwhal_admission_safety_factor``."""

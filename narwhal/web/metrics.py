@@ -105,6 +105,19 @@ class _RouterCollector(Collector):
         )
         factor.add_metric([], self._router.margin.factor)
         yield factor
+        quantile = GaugeMetricFamily(
+            "narwhal_admission_caution_quantile",
+            "The quantile the caution's parts are read at: 0.98 while what is admitted meets "
+            "the budget, else 0.99",
+        )
+        quantile.add_metric([], self._router.margin.caution_quantile)
+        yield quantile
+        misses = GaugeMetricFamily(
+            "narwhal_admission_recent_misses",
+            "Of the last 512 admitted requests, those whose first token missed the budget",
+        )
+        misses.add_metric([], self._router.margin.recent_misses)
+        yield misses
         yield from _monitoring(self._router, stats.engines)
         yield from _control(self._router, stats.state)
 
