@@ -107,6 +107,7 @@ def test_the_page_is_one_file_with_every_section_and_its_plots(run: dict[str, An
     assert len(images) == 5  # goodput, in-budget, CDFs, prediction error, factor and drift
     assert all(image.startswith(b"\x89PNG\r\n\x1a\n") for image in images)
     assert NOT_RECORDED not in page
+    assert "The dotted line is predictive's bound with the budget as a deadline" in page
     # No external resource: nothing is fetched from elsewhere.
     assert not re.search(r'(src|href)="(?!data:|#)', page)
     assert "<script" not in page
@@ -127,6 +128,11 @@ def test_a_run_recorded_without_the_series_still_renders_and_says_so(
     assert page.count(NOT_RECORDED) == 3  # CDFs, prediction error, factor and drift
     assert "per-request TTFTs: " + NOT_RECORDED in page
     assert len(pngs(page)) == 2  # goodput and in-budget share need no series
+    # A run from before the deadline bound: the plot has only the headline's.
+    for entry in older["runs"]:
+        del entry["deadline_bound_engine_s_per_s"]
+    page = render_html([("old.json", older)])
+    assert "bound with the budget as a deadline" not in page
 
 
 def test_several_runs_one_section_each(run: dict[str, Any]) -> None:
