@@ -63,15 +63,17 @@ class _RouterCollector(Collector):
                 if name == terminal:
                     family.add_metric([reason], count)
             yield family
-        in_flight = GaugeMetricFamily("narwhal_in_flight", "Offered requests not yet ended")
-        in_flight.add_metric([], books.in_flight)
-        yield in_flight
-        depth = GaugeMetricFamily("narwhal_queue_depth", "Requests waiting for placement")
-        depth.add_metric([], stats.queue.depth)
-        yield depth
-        retained = GaugeMetricFamily("narwhal_http_retention_in_use", "HTTP retention slots held")
-        retained.add_metric([], stats.retention.in_use)
-        yield retained
+        yield GaugeMetricFamily(
+            "narwhal_in_flight", "Offered requests not yet ended", value=books.in_flight
+        )
+        yield GaugeMetricFamily(
+            "narwhal_queue_depth", "Requests waiting for placement", value=stats.queue.depth
+        )
+        yield GaugeMetricFamily(
+            "narwhal_http_retention_in_use",
+            "HTTP retention slots held",
+            value=stats.retention.in_use,
+        )
         occupancy = GaugeMetricFamily(
             "narwhal_engine_occupancy", "Requests per engine and phase", labels=["engine", "phase"]
         )
@@ -99,25 +101,23 @@ class _RouterCollector(Collector):
         yield eligible
         yield profiled
         yield drift
-        factor = GaugeMetricFamily(
+        margin = self._router.margin
+        yield GaugeMetricFamily(
             "narwhal_admission_safety_factor",
             "The 99th percentile of observed over predicted wait, recent admitted requests",
+            value=margin.factor,
         )
-        factor.add_metric([], self._router.margin.factor)
-        yield factor
-        quantile = GaugeMetricFamily(
+        yield GaugeMetricFamily(
             "narwhal_admission_caution_quantile",
             "The quantile the caution's parts are read at: 0.98 while what is admitted meets "
             "the budget, else 0.99",
+            value=margin.caution_quantile,
         )
-        quantile.add_metric([], self._router.margin.caution_quantile)
-        yield quantile
-        misses = GaugeMetricFamily(
+        yield GaugeMetricFamily(
             "narwhal_admission_recent_misses",
             "Of the last 512 admitted requests, those whose first token missed the budget",
+            value=margin.recent_misses,
         )
-        misses.add_metric([], self._router.margin.recent_misses)
-        yield misses
         yield from _monitoring(self._router, stats.engines)
         yield from _control(self._router, stats.state)
 
