@@ -276,6 +276,7 @@ async def test_an_engine_given_more_than_its_batch_holds_teaches_nothing_of_its_
         slot.to_decode()
         slot.observe_gap(1.0, 1)  # a second per token: far slower than predicted
     assert engine.forecast.decode_scale == 1.0
+    assert engine.forecast.scale == 1.0 and engine.forecast.latency_s == 0.0
     assert engine.drift.ttft.samples == 0
     slots[0].release()
     assert not engine.overcommitted

@@ -186,9 +186,10 @@ class Engine:
         """Whether more requests are placed here than the engine's batch holds
         (``max_num_seqs`` of its profile): the engine then queues some of them itself, and the
         times it is seen to take reflect that queue, which the forecast does not model. They
-        teach neither the decode speed nor drift (an engine saturated by a router whose limits
-        exceed its batch would otherwise look slower than it is, and be taken out of
-        placement for it)."""
+        teach neither the prefill speed, nor the decode speed, nor drift (an engine saturated
+        by a router whose limits exceed its batch would otherwise look slower than it is, and
+        be taken out of placement for it: a closed loop of 640 requests on two engines of 256
+        taught one engine's prefill scale its bound, 50 times its profile)."""
         return len(self.slots) > self.forecast.profile.max_num_seqs
 
     @property
@@ -528,7 +529,8 @@ class Slot:
             now = trio.current_time()
         engine.prefill_seen_at = now
         if observed:
-            if not engine.overcommitted:
+            overcommitted = engine.overcommitted
+            if not overcommitted:
                 engine.observe_ttft(
                     now - self.placed_at, self.predicted_ttft_s, learned=self.learned_prefill
                 )
@@ -539,6 +541,7 @@ class Slot:
                 predicted=self.predicted_first_token_at,
                 now=now,
                 tokens=self.prompt_tokens,
+                learn=not overcommitted,
             )
         else:
             engine.forecast.assume_first_token(self.key, now=now, tokens=self.prompt_tokens)

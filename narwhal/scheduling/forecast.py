@@ -356,9 +356,18 @@ class PrefillForecast:
         return placed.done + self._shift + self.latency_s
 
     def first_token(
-        self, key: int, *, placed_at: float, predicted: float, now: float, tokens: int
+        self,
+        key: int,
+        *,
+        placed_at: float,
+        predicted: float,
+        now: float,
+        tokens: int,
+        learn: bool = True,
     ) -> None:
-        """A placed request got its first token: replan the pipeline and learn.
+        """A placed request got its first token: replan the pipeline and learn (unless not
+        ``learn``: its time was not the pipeline's, as on an engine that queues requests
+        itself).
 
         The engine serves prefills first come, first served: when this prompt's compute is
         done, so is everything placed before it, and what was placed after it is as late (or
@@ -378,10 +387,12 @@ class PrefillForecast:
             )
         self.decoding += 1
         self.decode_context += tokens
-        if placed is not None and placed.teaches is not None:
+        if placed is None or not learn:
+            return
+        if placed.teaches is not None:
             compute_s, wait_s = placed.teaches  # the wait for the running step is measured
             self._learn(observed=now - placed_at - wait_s, compute=compute_s)
-        elif placed is not None:
+        else:
             self._learn_busy(observed=now - placed_at, predicted=predicted - placed_at)
 
     def assume_first_token(self, key: int, *, now: float, tokens: int) -> None:
