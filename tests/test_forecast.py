@@ -217,3 +217,45 @@ def test_a_lone_stream_teaches_the_decode_scale_within_its_memory() -> None:
     for _ in range(round(2.0 / (2 * step * tokens))):
         _gap(forecast, 2.0, tokens)
     assert 1.5 < forecast.decode_scale < 2.0
+
+
+def test_an_overdue_first_token_makes_the_work_behind_it_at_least_as_late() -> None:
+    forecast = PrefillForecast(H100)
+    head, _ = forecast.place(8000, now=0.0)
+    forecast.place(8000, now=0.0)  # most of a step of its own, after the head's
+    first = forecast.expected_first_token(head)
+    assert first is not None
+    on_time = forecast.predict(1024, now=first)
+    step = H100.prefill_base_ms / 1000  # nothing decodes: a step's fixed cost
+    # A first token comes at the end of a step: within one step of its time it is not late.
+    assert forecast.overdue_s(first + step) == pytest.approx(0.0)
+    # None 0.1 s after it was due: its compute is not done, and everything placed after it
+    # (and anything placed now) runs at least that late, less the step.
+    assert forecast.overdue_s(first + 0.1) == pytest.approx(0.1 - step)
+    assert forecast.predict(1024, now=first + 0.1) == pytest.approx(on_time + 0.1 - step)
+
+
+def test_the_step_a_first_token_may_wait_for_is_the_running_batch_s() -> None:
+    forecast = PrefillForecast(H100, decoding=64, decode_context=64 * 2000)
+    head, _ = forecast.place(2048, now=0.0)
+    first = forecast.expected_first_token(head)
+    assert first is not None
+    step = forecast.decode_step_s(64, 64 * 2000)
+    assert forecast.overdue_s(first + step) == pytest.approx(0.0)
+    assert forecast.overdue_s(first + step + 0.1) == pytest.approx(0.1)
+
+
+def test_a_placement_behind_an_overdue_head_is_predicted_late_and_cannot_teach() -> None:
+    forecast = PrefillForecast(H100)
+    head, first = forecast.place(4096, now=0.0)
+    step = H100.prefill_base_ms / 1000
+    key, at = forecast.place(1024, now=first + 0.5)
+    # The head's compute runs at least until a step before now: the newcomer waits for it.
+    assert at >= first + 0.5 - step + forecast.compute_s(1024)
+    assert forecast.expected_first_token(head) == pytest.approx(first + 0.5 - step)
+    assert forecast.pending[key].teaches is None
+    # The head's first token then comes on the lateness it was already charged with: what
+    # follows it moves by the step only.
+    free_at = forecast.free_at
+    forecast.first_token(head, placed_at=0.0, predicted=first, now=first + 0.5, tokens=4096)
+    assert forecast.free_at == pytest.approx(free_at + step)

@@ -169,10 +169,10 @@ class EnginePlan:
         self.max_len = engine.max_model_len
         self.census = census
         self.now = now
-        self.backlog = forecast.pipeline
+        self.backlog = forecast.pipeline_at(now)
         # When the prompts' compute placed here would be done, alone (seats never short, no
         # decode step beside): the wait beyond it depends on the running requests (seat_wait).
-        self.compute_free = forecast.pipeline.free_at
+        self.compute_free = self.backlog.free_at
         self.tpot_s = forecast.tpot_s()
         # The running requests' ends are timed by the decode step alone, and a seat frees
         # that much later for the prompt compute the engine runs first: the prompts in
