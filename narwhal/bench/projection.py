@@ -152,13 +152,18 @@ def _measure(settings: ProjectionSettings, clock: trio.testing.MockClock) -> Pro
     for engine in engines:
         engine.poll_succeeded(0.0)
     pool = EnginePool(engines, tpot_target_s=0.1)
+    placed: list[tuple[Slot, int]] = []
     for number in range(settings.running):
         engine = engines[number % len(engines)]
         row = rng.choice(rows)
-        slot = Slot.take(engine, row.prompt_tokens, max_tokens=None)
-        if engine.prefill > 3:  # four stay in prefill per engine; the rest decode
+        placed.append((Slot.take(engine, row.prompt_tokens, max_tokens=None), row.output_tokens))
+    # First come, first served: on each engine the last four placed stay in prefill, and those
+    # before them have had their first tokens and decode. (Prompts placed later having theirs
+    # first would leave the four seconds overdue, a state no engine is in.)
+    for number, (slot, output_tokens) in enumerate(placed):
+        if number < len(placed) - 4 * len(engines):
             slot.to_decode()
-            slot.generated(rng.randrange(0, max(1, row.output_tokens)))
+            slot.generated(rng.randrange(0, max(1, output_tokens)))
     sizes = [rng.choice(rows).prompt_tokens for _ in range(settings.queued)]
 
     def queue_of(sizes: list[int]) -> AdmissionQueue:
