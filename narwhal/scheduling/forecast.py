@@ -316,15 +316,18 @@ class PrefillForecast:
         one step of its time it is not taken as late (without that margin the conversation
         trace's arrival p90 rose by about a point, the pipeline taken late for a step's
         rounding)."""
-        for head in self.pending.values():
-            step_s = self._step()[1] / 1000 * self.scale
-            return max(0.0, now - self.latency_s - (head.done + self._shift) - step_s)
-        return 0.0
+        head = next(iter(self.pending.values()), None)
+        if head is None:
+            return 0.0
+        step_s = self._step()[1] / 1000 * self.scale
+        return max(0.0, now - self.latency_s - (head.done + self._shift) - step_s)
 
     def pipeline_at(self, now: float) -> Backlog:
         """The placed prefill work as it stands at ``now``: :attr:`pipeline`, moved by how
         late it already runs (:meth:`overdue_s`)."""
-        late = self.overdue_s(now)
+        return self._pipeline_later(self.overdue_s(now))
+
+    def _pipeline_later(self, late: float) -> Backlog:
         if late <= 0:
             return self.pipeline
         pipeline = self.pipeline
@@ -336,7 +339,7 @@ class PrefillForecast:
         """Record a placement; return its key and predicted first-token time."""
         late = self.overdue_s(now)
         if late > 0:  # the pipeline is that late already: as a first token now would tell
-            self.pipeline = self.pipeline_at(now)
+            self.pipeline = self._pipeline_later(late)
             self._shift += late
         idle = self.free_at <= now and late <= 0
         start = max(now, self.free_at)
