@@ -325,14 +325,17 @@ class PrefillForecast:
     def pipeline_at(self, now: float) -> Backlog:
         """The placed prefill work as it stands at ``now``: :attr:`pipeline`, moved by how
         late it already runs (:meth:`overdue_s`)."""
-        return self._pipeline_later(self.overdue_s(now))
+        late = self.overdue_s(now)
+        return self._pipeline_later(late) if late > 0 else self.pipeline
 
-    def _pipeline_later(self, late: float) -> Backlog:
-        if late <= 0:
-            return self.pipeline
+    def _pipeline_later(self, late: float, *, floor: float = -math.inf) -> Backlog:
+        """:attr:`pipeline` moved ``late`` seconds later (earlier, if negative), its end no
+        earlier than ``floor``."""
         pipeline = self.pipeline
         return attrs.evolve(
-            pipeline, free_at=pipeline.free_at + late, last_step_at=pipeline.last_step_at + late
+            pipeline,
+            free_at=max(floor, pipeline.free_at + late),
+            last_step_at=pipeline.last_step_at + late,
         )
 
     def place(self, tokens: int, now: float) -> tuple[int, float]:
@@ -350,7 +353,8 @@ class PrefillForecast:
             # its time to itself, and cannot teach.
             for placed in self.pending.values():
                 placed.teaches = None
-        self.pipeline, compute_s, wait_s = self._cost(tokens, now, None)
+        # ``ahead`` already runs as late as the head is overdue (moved above): not asked again.
+        self.pipeline, compute_s, wait_s = self._cost(tokens, now, ahead)
         if shares and ahead.prompts < self.prefill_limit:
             self._revise(ahead, tokens)
         self._rate, self._rate_at = self._token_rate(now) + tokens, now
@@ -416,12 +420,7 @@ class PrefillForecast:
         elif placed is not None:
             late = now - self.latency_s - (placed.done + self._shift)
             self._shift += late
-            pipeline = self.pipeline
-            self.pipeline = attrs.evolve(
-                pipeline,
-                free_at=max(now, pipeline.free_at + late),
-                last_step_at=pipeline.last_step_at + late,
-            )
+            self.pipeline = self._pipeline_later(late, floor=now)
         self.decoding += 1
         self.decode_context += tokens
         if placed is None or not learn:
