@@ -61,6 +61,9 @@ class _Running:
         self.rate = 0.0  # its expected ends per second since that bound
 
 
+_SHARE = 1.0 / SEGMENTS  # the weight of one share of a request's end
+
+
 class _Ends:
     """Seats freed as running requests end: the ``k``-th when ``k - 1/2`` are expected to have.
 
@@ -72,18 +75,18 @@ class _Ends:
     request.
     """
 
-    __slots__ = ("_freed", "_knots", "_slope", "_taken", "_time", "_tpot_s")
+    __slots__ = ("_freed", "_knots", "_next", "_slope", "_taken", "_time", "_tpot_s")
 
     def __init__(self, plan: EnginePlan) -> None:
         self._tpot_s = tpot = plan.decode_tpot_s
         knots: list[tuple[float, int, _Running]] = []  # (next bound's time, tie-breaker, who)
+        now = plan.now
+        remaining = plan.census.census().remaining
         for number, slot in enumerate(plan.slots):
-            start = plan.now
+            start = now
             if slot.phase == "prefill":
                 start = max(start, slot.expected_first_token_at)
-            rest = plan.census.remaining(
-                slot.route, slot.max_tokens, slot.generated_tokens, slot.prompt_tokens
-            )
+            rest = remaining(slot.route, slot.max_tokens, slot.generated_tokens, slot.prompt_tokens)
             knots.append((start + rest.bound(0) * tpot, number, _Running(start, rest)))
         heapq.heapify(knots)
         self._knots = knots
@@ -91,44 +94,71 @@ class _Ends:
         self._freed = 0.0
         self._slope = 0.0
         self._taken = 0
-
-    def _pass_knot(self) -> None:
-        """Move past the earliest bound of some request (the sweep's time is there)."""
-        at, number, running = heapq.heappop(self._knots)
-        self._slope = max(0.0, self._slope - running.rate)
-        running.rate = 0.0
-        weight = 1.0 / SEGMENTS
-        while running.share < SEGMENTS:
-            following = running.start + running.rest.bound(running.share + 1) * self._tpot_s
-            running.share += 1
-            if following - at > 1e-12:
-                running.rate = weight / (following - at)
-                self._slope += running.rate
-                heapq.heappush(self._knots, (following, number, running))
-                return
-            self._freed += weight  # a share with no width: its ends come at once
+        self._next: float | None = None  # next(), until a seat is taken
 
     def next(self) -> float:
         """When the next seat frees (``inf`` when the running requests cannot free one)."""
+        if self._next is not None:
+            return self._next
+        self._next = at = self._sweep()
+        return at
+
+    def _sweep(self) -> float:
         target = self._taken + 0.5
+        freed = self._freed
+        if freed >= target - 1e-9:
+            return self._time
+        # The sweep, with its state in locals (it runs for every seat a walk takes).
+        knots = self._knots
+        slope = self._slope
+        time = self._time
+        tpot = self._tpot_s
         while True:
-            if self._freed >= target - 1e-9:
-                return self._time
-            upcoming = self._knots[0][0] if self._knots else math.inf
-            if self._slope > 1e-12:
-                hit = self._time + (target - self._freed) / self._slope
+            upcoming = knots[0][0] if knots else math.inf
+            if slope > 1e-12:
+                hit = time + (target - freed) / slope
                 if hit <= upcoming:
-                    return hit
+                    break
             if upcoming == math.inf:
-                return math.inf
-            self._freed += self._slope * (upcoming - self._time)
-            self._time = upcoming
-            self._pass_knot()
+                hit = math.inf
+                break
+            freed += slope * (upcoming - time)
+            time = upcoming
+            # Move past the earliest bound of some request: its next share, or its shares
+            # with no width at once (their ends come together).
+            at, number, running = knots[0]
+            slope -= running.rate
+            if slope < 0.0:
+                slope = 0.0
+            running.rate = 0.0
+            rest = running.rest
+            start = running.start
+            share = running.share
+            while share < SEGMENTS:
+                share += 1
+                following = start + rest.bound(share) * tpot
+                if following - at > 1e-12:
+                    running.rate = rate = _SHARE / (following - at)
+                    slope += rate
+                    heapq.heapreplace(knots, (following, number, running))
+                    break
+                freed += _SHARE
+            else:  # its last share passed: it leaves the sweep
+                heapq.heappop(knots)
+            running.share = share
+            if freed >= target - 1e-9:
+                hit = time
+                break
+        self._freed = freed
+        self._slope = slope
+        self._time = time
+        return hit
 
     def take(self) -> float:
         """Take the next seat; return when it frees."""
         at = self.next()
         self._taken += 1
+        self._next = None
         return at
 
 
@@ -252,7 +282,12 @@ class EnginePlan:
     def earliest_first_token(self, tokens: int) -> float:
         """A lower bound of :meth:`first_token`: its prefill starts no earlier than
         :meth:`start`, and takes at least its own tokens' compute."""
-        return self.start() + self.forecast.compute_s(tokens) + self.forecast.latency_s
+        at = self._at
+        if at is None:
+            at = self.placement()
+        free_at = self.backlog.free_at
+        forecast = self.forecast
+        return max(at, free_at) + forecast.compute_s(tokens) + forecast.latency_s
 
     def seat_wait(self) -> float:
         """How much of the next request's wait here depends on the running requests: how much
@@ -305,13 +340,8 @@ class _LazyCensus:
         self._engines = engines
         self._census: Census | None = None
 
-    def remaining(
-        self,
-        route: str,
-        max_tokens: int | None,
-        generated: int = 0,
-        prompt_tokens: int | None = None,
-    ) -> Remaining:
+    def census(self) -> Census:
+        """The census, taken now if it was not yet."""
         census = self._census
         if census is None:
             census = self._census = self._lengths.census(
@@ -319,7 +349,16 @@ class _LazyCensus:
                 for engine in self._engines
                 for slot in engine.slots
             )
-        return census.remaining(route, max_tokens, generated, prompt_tokens)
+        return census
+
+    def remaining(
+        self,
+        route: str,
+        max_tokens: int | None,
+        generated: int = 0,
+        prompt_tokens: int | None = None,
+    ) -> Remaining:
+        return self.census().remaining(route, max_tokens, generated, prompt_tokens)
 
 
 class Plan:
@@ -368,14 +407,18 @@ class Plan:
         best: EnginePlan | None = None
         # (over the TPOT target, penalised time to first token, configuration order)
         best_key: tuple[bool, float, int] = (True, math.inf, len(self.engines))
+        now = self.now
+        target = self.tpot_target_s
         for earliest, number, plan in candidates:
-            slow = plan.tpot_with(tokens) > self.tpot_target_s
             # A drifting engine's predictions are not to be trusted as they are: its time to
             # the first token counts as longer (Engine.placement_penalty, 1 without drift).
-            least = (earliest - self.now) * plan.penalty
+            least = (earliest - now) * plan.penalty
+            if best is not None and not best_key[0] and (least, number) >= best_key[1:]:
+                continue  # it loses to the best found even inside the TPOT target
+            slow = plan.tpot_with(tokens) > target
             if best is not None and (slow, least, number) >= best_key:
                 continue
-            key = (slow, (plan.first_token(tokens) - self.now) * plan.penalty, number)
+            key = (slow, (plan.first_token(tokens) - now) * plan.penalty, number)
             if best is None or key < best_key:
                 best, best_key = plan, key
         return best
