@@ -6,9 +6,12 @@ router's one event loop, so their cost is paid by every request in flight. This 
 builds the state of a router at about 3x its capacity: ``engines`` engines with ``running``
 requests among them (a few in prefill, the rest decoding, part of their output generated) and
 ``queued`` requests waiting, prompt and output sizes drawn from the bundled conversation trace,
-output lengths learned from it. It then times, on that frozen state (Trio's MockClock: the
-clock does not move), ``projections`` projections of a newcomer and as many dispatcher passes
-that find one prefill slot free.
+output lengths learned from it. It then times ``projections`` projections of a newcomer and as
+many dispatcher passes that find one prefill slot free. Between projections (untimed) Trio's
+MockClock moves by one arrival's gap and each decoding request produces the tokens its
+engine's step time gives by then, as a running request does: a plan walked again finds the
+running requests further on, so that nothing computed from their counts is found again for
+free (on a state that did not move, a cache keyed on it would flatter the figures).
 
 The figures are CPU time per call (``time.thread_time`` around each: the CPU this thread spent,
 so that other processes on a shared machine count less; p50 and p99 over the calls, and their
@@ -176,8 +179,25 @@ def _measure(settings: ProjectionSettings, clock: trio.testing.MockClock) -> Pro
     margin = SafetyMargin()
     newcomers = [Waiter(rng.choice(rows).prompt_tokens, False, "chat", None) for _ in range(64)]
 
-    def projection() -> None:
+    decoding: dict[Engine, list[Slot]] = {engine: [] for engine in engines}
+    for slot, _ in placed:
+        if slot.phase == "decode":
+            decoding[slot.engine].append(slot)
+    step_s = {engine: engine.forecast.tpot_s() for engine in engines}
+    started = trio.current_time()
+    produced = dict.fromkeys(engines, 0)
+
+    def arrival() -> None:
+        """The next arrival's gap passes: the decoding requests produce their tokens."""
         clock.jump(1.0 / settings.arrivals_per_s)
+        for engine, slots in decoding.items():
+            due = int((trio.current_time() - started) / step_s[engine])
+            tokens, produced[engine] = due - produced[engine], due
+            if tokens:
+                for slot in slots:
+                    slot.generated(tokens)
+
+    def projection() -> None:
         project(
             pool,
             (),
@@ -211,7 +231,7 @@ def _measure(settings: ProjectionSettings, clock: trio.testing.MockClock) -> Pro
 
     return ProjectionCost(
         settings,
-        *_timed(projection, settings.projections),
+        *_timed(projection, settings.projections, setup=arrival),
         *_timed(dispatch, settings.projections, setup=fresh_queue),
     )
 
