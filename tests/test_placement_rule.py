@@ -309,3 +309,27 @@ async def test_the_walk_skips_only_engines_that_cannot_win(
             ]
             assert chosen is plan.engines[min(every)[2]]
             plan.place(waiter)
+
+
+async def test_the_dispatcher_refuses_only_what_no_eligible_engine_can_serve() -> None:
+    # Neither engine provides token IDs: a request that needs them is refused at the next
+    # pass, while one that does not waits for its engine.
+    pool, fast, slow = _pool()
+    _busy(fast), _busy(slow)
+    queue = AdmissionQueue(pool, 8, OutputLengths())
+    needs = Waiter(4000, True, "chat", 64, enqueued_at=trio.current_time())
+    plain = _waiter()
+    queue.enqueue(needs)
+    queue.enqueue(plain)
+    queue.dispatch()
+    assert needs.decided.is_set() and needs.slot is None
+    assert needs.failure is not None and "No engine is eligible" in needs.failure.message
+    assert not plain.decided.is_set()
+    assert queue.statistics().refused_unavailable == 1
+    # Once an engine provides token IDs, such a request waits like any other.
+    fast.token_accounting = "token_ids"
+    again = Waiter(4000, True, "chat", 64, enqueued_at=trio.current_time())
+    queue.enqueue(again)
+    queue.dispatch()
+    assert not again.decided.is_set()
+    assert queue.statistics().refused_unavailable == 1

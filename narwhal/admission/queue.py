@@ -39,7 +39,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from narwhal.admission.context import beyond_context, placed_size
+from narwhal.admission.context import Candidates, placed_size
 from narwhal.admission.plan import EnginePlan, Plan
 from narwhal.control.state import ControlState
 from narwhal.errors import CapacityRejection, Expired, NarwhalError, Unavailable
@@ -196,7 +196,7 @@ class AdmissionQueue:
         """
         if self._not_placing() is not None:
             return None
-        slot = self._over_context(waiter)
+        slot = self._over_context(waiter, Candidates(self.pool))
         if slot is None:
             plan = self.current_plan()
             chosen = plan.choose(waiter)
@@ -223,9 +223,9 @@ class AdmissionQueue:
             and engine.forecast.tpot_with(waiter.prompt_tokens) <= self.pool.tpot_target_s
         )
 
-    def _over_context(self, waiter: Waiter) -> Slot | None:
+    def _over_context(self, waiter: Waiter, candidates: Candidates) -> Slot | None:
         """A place for a prompt longer than every eligible engine's context, else ``None``."""
-        engine = beyond_context(self.pool, waiter.prompt_tokens, waiter.need_token_ids)
+        engine = candidates.beyond(waiter.prompt_tokens, waiter.need_token_ids)
         if engine is None:
             return None
         self._placed_over += 1
@@ -355,7 +355,8 @@ class AdmissionQueue:
                 self._unavailable += 1
                 self._decide(waiter, failure=refusal)
             return math.inf  # the change that lets it place again wakes the dispatcher
-        self._refuse_unservable()
+        candidates = Candidates(self.pool)  # no engine's eligibility changes during the pass
+        self._refuse_unservable(candidates)
         pool = self.pool
         now = trio.current_time()
         look_again_at = math.inf
@@ -367,7 +368,7 @@ class AdmissionQueue:
         shortest = math.inf  # and the shortest of their prompts
         for waiter in list(self._waiting):
             # The engine that held its prompt may have left: it may be over context now.
-            slot = self._over_context(waiter)
+            slot = self._over_context(waiter, candidates)
             if slot is None:
                 chosen = waiter.planned
                 if chosen is None:
@@ -419,9 +420,11 @@ class AdmissionQueue:
         waiter.failure = failure
         waiter.decided.set()
 
-    def _refuse_unservable(self) -> None:
+    def _refuse_unservable(self, candidates: Candidates) -> None:
+        if candidates.any(need_token_ids=True):
+            return  # an engine that provides token IDs serves every request
         for waiter in list(self._waiting):
-            if not self.pool.any_eligible(need_token_ids=waiter.need_token_ids):
+            if not candidates.any(need_token_ids=waiter.need_token_ids):
                 self._unavailable += 1
                 self._decide(
                     waiter,
