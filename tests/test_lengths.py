@@ -3,9 +3,17 @@ correction."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from narwhal.scheduling.lengths import BAND_LEAST, SEGMENTS, OutputLengths, prompt_band
+from narwhal.scheduling.lengths import (
+    BAND_LEAST,
+    SEGMENTS,
+    OutputLengths,
+    _Distribution,
+    prompt_band,
+)
 
 
 def test_without_data_a_prior_capped_by_max_tokens() -> None:
@@ -130,3 +138,43 @@ def test_the_census_counts_a_running_request_in_its_band_and_its_bucket() -> Non
     assert census.remaining("chat", None, 150, 1100).bound(SEGMENTS) > 1
     assert census.remaining("chat", None, 150).bound(SEGMENTS) > 1
     assert lengths.census(()).remaining("chat", None, 0, 1100).bound(SEGMENTS) == 100
+
+
+def _kaplan_meier(completed: list[int], running: list[int]) -> tuple[list[int], list[float]]:
+    """The estimator as the textbook writes it: at each completed length in turn, the
+    survival times one less the share of those at risk that ended there."""
+    lengths: list[int] = []
+    survival: list[float] = []
+    current = 1.0
+    for length in sorted(set(completed)):
+        ended = completed.count(length)
+        at_risk = sum(1 for c in completed if c >= length) + sum(1 for r in running if r >= length)
+        current *= 1.0 - ended / at_risk
+        lengths.append(length)
+        survival.append(current)
+    return lengths, survival
+
+
+def test_the_census_survival_curve_is_kaplan_meiers() -> None:
+    # Completed lengths are observed ends; a running request is censored at its count (it
+    # is at risk at every length up to its count).
+    rng = random.Random(7)
+    for _ in range(200):
+        completed = sorted(
+            rng.randrange(1, rng.choice([4, 60, 900])) for _ in range(rng.randrange(0, 90))
+        )
+        running = [rng.randrange(0, 900) for _ in range(rng.randrange(0, 40))]
+        distribution = _Distribution(completed, running)
+        lengths, survival = _kaplan_meier(completed, running)
+        assert distribution.lengths == lengths
+        assert [-drop for drop in distribution.drops] == survival
+        for generated in [0, *completed[:3], 899]:
+            expected = next(
+                (
+                    s
+                    for length, s in zip(reversed(lengths), reversed(survival), strict=True)
+                    if length <= generated
+                ),
+                1.0,
+            )
+            assert distribution.survival(generated) == expected
