@@ -81,12 +81,12 @@ class _Ends:
         self._tpot_s = tpot = plan.decode_tpot_s
         knots: list[tuple[float, int, _Running]] = []  # (next bound's time, tie-breaker, who)
         now = plan.now
-        remaining = plan.census.census().remaining
+        remaining = plan.census.census().remaining_of
         for number, slot in enumerate(plan.slots):
             start = now
             if slot.phase == "prefill":
                 start = max(start, slot.expected_first_token_at)
-            rest = remaining(slot.route, slot.max_tokens, slot.generated_tokens, slot.prompt_tokens)
+            rest = remaining(slot.length_keys, slot.max_tokens, slot.generated_tokens)
             knots.append((start + rest.bound(0) * tpot, number, _Running(start, rest)))
         heapq.heapify(knots)
         self._knots = knots
@@ -344,10 +344,13 @@ class _LazyCensus:
         """The census, taken now if it was not yet."""
         census = self._census
         if census is None:
-            census = self._census = self._lengths.census(
-                (slot.route, slot.max_tokens, slot.generated_tokens, slot.prompt_tokens)
-                for engine in self._engines
-                for slot in engine.slots
+            census = self._census = Census(
+                self._lengths,
+                (
+                    (slot.length_keys, slot.generated_tokens)
+                    for engine in self._engines
+                    for slot in engine.slots
+                ),
             )
         return census
 

@@ -29,6 +29,7 @@ from narwhal.scheduling.health import (
     HealthState,
     HealthStatistics,
 )
+from narwhal.scheduling.lengths import Keys, request_keys
 
 __all__ = [
     "Engine",
@@ -450,6 +451,13 @@ class Slot:
     gaps_predicted_s: float = 0.0
     gaps_profiled_s: float = 0.0
     gap_tokens: int = 0
+    # The output-length distributions it counts in (fixed: its route, max_tokens and prompt
+    # do not change): a plan's census reads them for every running request at every walk.
+    length_keys: Keys = attrs.field(init=False)
+
+    @length_keys.default
+    def _length_keys(self) -> Keys:
+        return request_keys(self.route, self.max_tokens, self.prompt_tokens)
 
     @classmethod
     def take(

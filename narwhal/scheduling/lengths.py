@@ -35,7 +35,17 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-__all__ = ["BAND_LEAST", "SEGMENTS", "Census", "Key", "OutputLengths", "Remaining", "prompt_band"]
+__all__ = [
+    "BAND_LEAST",
+    "SEGMENTS",
+    "Census",
+    "Key",
+    "Keys",
+    "OutputLengths",
+    "Remaining",
+    "prompt_band",
+    "request_keys",
+]
 
 _WINDOW = 512
 _PRIOR_TOKENS = 256
@@ -69,6 +79,19 @@ def prompt_band(tokens: int) -> int:
     tokens = max(tokens, 4)
     bits = tokens.bit_length()
     return bits * 4 + ((tokens >> (bits - 3)) & 3)
+
+
+Keys = tuple[Key, Key | None]
+"""The distributions a request counts in: its bucket's and its prompt band's (``None``: the
+prompt's size is not known)."""
+
+
+def request_keys(route: str, max_tokens: int | None, prompt_tokens: int | None) -> Keys:
+    """The distributions a request counts in (:data:`Keys`): fixed for its life, so a running
+    request's are worked out once, not at every census."""
+    route, bits = _bucket(route, max_tokens)
+    band = None if prompt_tokens is None else (route, bits, prompt_band(prompt_tokens))
+    return (route, bits, _WHOLE), band
 
 
 @attrs.define
@@ -115,13 +138,16 @@ class OutputLengths:
     def key(self, route: str, max_tokens: int | None, prompt_tokens: int | None = None) -> Key:
         """The distribution that answers for such a request: its prompt band's once the band
         holds :data:`BAND_LEAST` completions, else its bucket's."""
-        route, bits = _bucket(route, max_tokens)
-        if prompt_tokens is not None:
-            band = (route, bits, prompt_band(prompt_tokens))
+        return self.resolve(request_keys(route, max_tokens, prompt_tokens))
+
+    def resolve(self, keys: Keys) -> Key:
+        """:meth:`key` for a request's :func:`request_keys`."""
+        whole, band = keys
+        if band is not None:
             lengths = self._by_bucket.get(band)
             if lengths is not None and len(lengths.ordered) >= BAND_LEAST:
                 return band
-        return route, bits, _WHOLE
+        return whole
 
     def expected_total(
         self,
@@ -167,7 +193,13 @@ class OutputLengths:
             running: ``(route, max_tokens, generated, prompt_tokens)`` of each running request
                 (``prompt_tokens`` ``None``: unknown, its bucket's).
         """
-        return Census(self, running)
+        return Census(
+            self,
+            (
+                (request_keys(route, max_tokens, prompt_tokens), generated)
+                for route, max_tokens, generated, prompt_tokens in running
+            ),
+        )
 
     def completed(self, key: Key) -> Sequence[int]:
         """The distribution's recent completed lengths, ascending."""
@@ -186,18 +218,22 @@ class Census:
     projection first asks for it.
     """
 
-    def __init__(
-        self, lengths: OutputLengths, running: Iterable[tuple[str, int | None, int, int | None]]
-    ) -> None:
+    def __init__(self, lengths: OutputLengths, running: Iterable[tuple[Keys, int]]) -> None:
+        """``running``: each running request's :func:`request_keys` and count generated."""
         self._lengths = lengths
         # Each running request counts in its bucket's distribution and in its band's.
-        self._running: dict[Key, list[int]] = {}
-        for route, max_tokens, generated, prompt_tokens in running:
-            bucket = _bucket(route, max_tokens)
-            self._running.setdefault((*bucket, _WHOLE), []).append(generated)
-            if prompt_tokens is not None:
-                band = (*bucket, prompt_band(prompt_tokens))
-                self._running.setdefault(band, []).append(generated)
+        counts: dict[Key, list[int]] = {}
+        self._running = counts
+        for (whole, band), generated in running:
+            held = counts.get(whole)
+            if held is None:
+                held = counts[whole] = []
+            held.append(generated)
+            if band is not None:
+                held = counts.get(band)
+                if held is None:
+                    held = counts[band] = []
+                held.append(generated)
         self._distributions: dict[Key, _Distribution] = {}
         self._answers: dict[tuple[Key, int | None, int], Remaining] = {}
 
@@ -210,7 +246,13 @@ class Census:
     ) -> Remaining:
         """The tokens still to come for a request that has generated ``generated`` (of a
         ``prompt_tokens``-token prompt: its band's distribution, once the band has learned)."""
-        key = self._lengths.key(route, max_tokens, prompt_tokens)
+        return self.remaining_of(
+            request_keys(route, max_tokens, prompt_tokens), max_tokens, generated
+        )
+
+    def remaining_of(self, keys: Keys, max_tokens: int | None, generated: int) -> Remaining:
+        """:meth:`remaining` for a request's :func:`request_keys`."""
+        key = self._lengths.resolve(keys)
         asked = (key, max_tokens, generated)
         known = self._answers.get(asked)  # running requests often stand at the same count
         if known is None:
