@@ -49,18 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["EnginePlan", "Plan"]
 
 
-class _Running:
-    """One running request in the sweep: where its end distribution stands."""
-
-    __slots__ = ("rate", "rest", "share", "start")
-
-    def __init__(self, start: float, rest: Remaining) -> None:
-        self.start = start  # when its decoding starts (now, or its expected first token)
-        self.rest = rest
-        self.share = 0  # the sweep has passed bound ``share``
-        self.rate = 0.0  # its expected ends per second since that bound
-
-
 _SHARE = 1.0 / SEGMENTS  # the weight of one share of a request's end
 
 
@@ -79,7 +67,9 @@ class _Ends:
 
     def __init__(self, plan: EnginePlan) -> None:
         self._tpot_s = tpot = plan.decode_tpot_s
-        knots: list[tuple[float, int, _Running]] = []  # (next bound's time, tie-breaker, who)
+        # Each running request's next bound: (its time, a tie-breaker, the share it closes,
+        # the rate of ends until it, when the request decodes from, its remaining output).
+        knots: list[tuple[float, int, int, float, float, Remaining]] = []
         now = plan.now
         remaining = plan.census.census().remaining_of
         for number, slot in enumerate(plan.slots):
@@ -87,7 +77,7 @@ class _Ends:
             if slot.phase == "prefill":
                 start = max(start, slot.expected_first_token_at)
             rest = remaining(slot.length_keys, slot.max_tokens, slot.generated_tokens)
-            knots.append((start + rest.bound(0) * tpot, number, _Running(start, rest)))
+            knots.append((start + rest.bound(0) * tpot, number, 0, 0.0, start, rest))
         heapq.heapify(knots)
         self._knots = knots
         self._time = plan.now
@@ -126,26 +116,21 @@ class _Ends:
             time = upcoming
             # Move past the earliest bound of some request: its next share, or its shares
             # with no width at once (their ends come together).
-            at, number, running = knots[0]
-            slope -= running.rate
+            at, number, share, rate, start, rest = knots[0]
+            slope -= rate
             if slope < 0.0:
                 slope = 0.0
-            running.rate = 0.0
-            rest = running.rest
-            start = running.start
-            share = running.share
             while share < SEGMENTS:
                 share += 1
                 following = start + rest.bound(share) * tpot
                 if following - at > 1e-12:
-                    running.rate = rate = _SHARE / (following - at)
+                    rate = _SHARE / (following - at)
                     slope += rate
-                    heapq.heapreplace(knots, (following, number, running))
+                    heapq.heapreplace(knots, (following, number, share, rate, start, rest))
                     break
                 freed += _SHARE
             else:  # its last share passed: it leaves the sweep
                 heapq.heappop(knots)
-            running.share = share
             if freed >= target - 1e-9:
                 hit = time
                 break
