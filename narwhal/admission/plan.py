@@ -376,7 +376,13 @@ class Plan:
         self.engines = [EnginePlan(engine, census, now) for engine in eligible]
 
     def choose(self, waiter: Waiter) -> EnginePlan | None:
-        """The engine ``waiter`` goes to (``None``: no eligible engine can serve it).
+        """The engine ``waiter`` goes to (``None``: no eligible engine can serve it)."""
+        chosen = self.choose_timed(waiter)
+        return None if chosen is None else chosen[0]
+
+    def choose_timed(self, waiter: Waiter) -> tuple[EnginePlan, float] | None:
+        """The engine ``waiter`` goes to, and its first token there
+        (:meth:`EnginePlan.first_token`; ``None``: no eligible engine can serve it).
 
         The earliest first token among the engines that can serve it, those inside the TPOT
         target first; a drifting engine's time counts as longer by its placement penalty.
@@ -393,6 +399,7 @@ class Plan:
         # already loses to the best found cannot win, and its forecast is not asked.
         candidates.sort()
         best: EnginePlan | None = None
+        best_first = math.inf
         # (over the TPOT target, penalised time to first token, configuration order)
         best_key: tuple[bool, float, int] = (True, math.inf, len(self.engines))
         now = self.now
@@ -406,10 +413,11 @@ class Plan:
             slow = plan.tpot_with(tokens) > target
             if best is not None and (slow, least, number) >= best_key:
                 continue
-            key = (slow, (plan.first_token(tokens) - now) * plan.penalty, number)
+            first = plan.first_token(tokens)
+            key = (slow, (first - now) * plan.penalty, number)
             if best is None or key < best_key:
-                best, best_key = plan, key
-        return best
+                best, best_key, best_first = plan, key, first
+        return None if best is None else (best, best_first)
 
     def place(self, waiter: Waiter) -> tuple[EnginePlan, float] | None:
         """Choose ``waiter``'s engine and take its place there in the plan.

@@ -116,10 +116,10 @@ def project(
             plan.place(waiter)
     else:
         plan.advance(now)
-    chosen = plan.choose(request)
-    if chosen is None:
+    choice = plan.choose_timed(request)
+    if choice is None:
         return None
-    first_token_at = chosen.first_token(request.prompt_tokens)
+    chosen, first_token_at = choice
     start = chosen.start()
     seat_s = min(chosen.seat_wait(), start - now)
     alone = min(
