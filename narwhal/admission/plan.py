@@ -71,7 +71,7 @@ class _Ends:
         # the rate of ends until it, when the request decodes from, its remaining output).
         knots: list[tuple[float, int, int, float, float, Remaining]] = []
         now = plan.now
-        remaining = plan.census.census().remaining_of
+        remaining = plan.census.get().remaining_of
         for number, slot in enumerate(plan.slots):
             start = now
             if slot.phase == "prefill":
@@ -310,7 +310,7 @@ class EnginePlan:
         self.decoding = (sequences + 1, context + waiter.prompt_tokens)  # it decodes next
         first = self.backlog.free_at + forecast.latency_s
         heapq.heappush(self.prefill_free, first)  # its prefill slot frees at its first token
-        rest = self.census.remaining(waiter.route, waiter.max_tokens, 0, waiter.prompt_tokens)
+        rest = self.census.get().remaining_of(waiter.length_keys, waiter.max_tokens, 0)
         heapq.heappush(self.placed, first + rest.mean_bound() * self.tpot_s)
 
 
@@ -325,7 +325,7 @@ class _LazyCensus:
         self._engines = engines
         self._census: Census | None = None
 
-    def census(self) -> Census:
+    def get(self) -> Census:
         """The census, taken now if it was not yet."""
         census = self._census
         if census is None:
@@ -338,15 +338,6 @@ class _LazyCensus:
                 ),
             )
         return census
-
-    def remaining(
-        self,
-        route: str,
-        max_tokens: int | None,
-        generated: int = 0,
-        prompt_tokens: int | None = None,
-    ) -> Remaining:
-        return self.census().remaining(route, max_tokens, generated, prompt_tokens)
 
 
 class Plan:

@@ -44,7 +44,7 @@ from narwhal.admission.plan import EnginePlan, Plan
 from narwhal.control.state import ControlState
 from narwhal.errors import CapacityRejection, Expired, NarwhalError, Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, Slot
-from narwhal.scheduling.lengths import OutputLengths
+from narwhal.scheduling.lengths import Keys, OutputLengths, request_keys
 
 __all__ = ["AdmissionQueue", "QueueStatistics", "Waiter"]
 
@@ -86,6 +86,12 @@ class Waiter:
     # Where the queue's plan sends it, and when it expects to place it there.
     planned: EnginePlan | None = attrs.field(default=None, repr=False)
     planned_at: float = math.inf
+    # The output-length distributions it will count in (each walk of the plan asks).
+    length_keys: Keys = attrs.field(init=False, repr=False)
+
+    @length_keys.default
+    def _length_keys(self) -> Keys:
+        return request_keys(self.route, self.max_tokens, self.prompt_tokens)
 
 
 @attrs.frozen
