@@ -453,7 +453,7 @@ class Slot:
     gap_tokens: int = 0
     # The output-length distributions it counts in (fixed: its route, max_tokens and prompt
     # do not change): a plan's census reads them for every running request at every walk.
-    length_keys: Keys = attrs.field(init=False)
+    length_keys: Keys = attrs.field(init=False, repr=False)
 
     @length_keys.default
     def _length_keys(self) -> Keys:
