@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from narwhal.admission.context import beyond_context, fits, placed_size
+from narwhal.admission.context import beyond_context, placed_size
 from narwhal.admission.margin import SafetyMargin
 from narwhal.admission.plan import Plan
 from narwhal.admission.queue import Waiter
@@ -122,11 +122,12 @@ def project(
     chosen, first_token_at = choice
     start = chosen.start()
     seat_s = min(chosen.seat_wait(), start - now)
-    alone = min(
-        p.engine.forecast.standalone_s(request.prompt_tokens)
+    tokens = request.prompt_tokens
+    alone = min(  # on the engines as the plan took them, as choose() read them
+        p.forecast.standalone_s(tokens)
         for p in plan.engines
-        if (p.engine.provides_token_ids or not request.need_token_ids)
-        and fits(p.engine, request.prompt_tokens)
+        if (p.token_ids or not request.need_token_ids)
+        and (p.max_len is None or tokens <= p.max_len)
     )
     return _projection(
         elapsed_s + overhead_s,
