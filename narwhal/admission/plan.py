@@ -267,12 +267,7 @@ class EnginePlan:
     def earliest_first_token(self, tokens: int) -> float:
         """A lower bound of :meth:`first_token`: its prefill starts no earlier than
         :meth:`start`, and takes at least its own tokens' compute."""
-        at = self._at
-        if at is None:
-            at = self.placement()
-        free_at = self.backlog.free_at
-        forecast = self.forecast
-        return max(at, free_at) + forecast.compute_s(tokens) + forecast.latency_s
+        return self.start() + self.forecast.compute_s(tokens) + self.forecast.latency_s
 
     def seat_wait(self) -> float:
         """How much of the next request's wait here depends on the running requests: how much

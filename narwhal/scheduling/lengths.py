@@ -222,18 +222,11 @@ class Census:
         """``running``: each running request's :func:`request_keys` and count generated."""
         self._lengths = lengths
         # Each running request counts in its bucket's distribution and in its band's.
-        counts: dict[Key, list[int]] = {}
-        self._running = counts
+        self._running: dict[Key, list[int]] = {}
         for (whole, band), generated in running:
-            held = counts.get(whole)
-            if held is None:
-                held = counts[whole] = []
-            held.append(generated)
+            self._running.setdefault(whole, []).append(generated)
             if band is not None:
-                held = counts.get(band)
-                if held is None:
-                    held = counts[band] = []
-                held.append(generated)
+                self._running.setdefault(band, []).append(generated)
         self._distributions: dict[Key, _Distribution] = {}
         self._answers: dict[tuple[Key, int | None, int], Remaining] = {}
 
