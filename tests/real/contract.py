@@ -247,9 +247,10 @@ def compare(case: Case, direct: Answer, routed: Answer) -> list[str]:
     return [*found, *differences(expected, actual)]
 
 
-# Where a stream chunk's choice carries its tokens. vLLM puts what each step produced in one
-# chunk, and merges the outputs of several steps into one chunk when its consumer lags (a
-# loaded machine): two runs of one request may then split the same tokens differently.
+# Where a stream chunk's choice carries its tokens (and a streamed tool call's arguments, by
+# the call's index: _take_tokens). vLLM puts what each step produced in one chunk, and merges
+# the outputs of several steps into one chunk when its consumer lags (a loaded machine): two
+# runs of one request may then split the same tokens differently.
 _TOKEN_PATHS: tuple[tuple[str, ...], ...] = (
     ("delta", "content"),
     ("delta", "reasoning_content"),
@@ -284,6 +285,15 @@ def _take_tokens(chunk: Any) -> tuple[Any, dict[str, Any]]:
             value = holder.pop(path[-1])
             if value is not None:
                 tokens[".".join(path)] = value
+    # A streamed tool call's arguments are tokens too, merged alike: by the call's index.
+    delta = choices[0].get("delta")
+    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and "arguments" in function:
+            value = function.pop("arguments")
+            if value is not None:
+                tokens[f"delta.tool_calls.{call.get('index')}.function.arguments"] = value
     return rest, tokens
 
 
