@@ -40,14 +40,7 @@ def beyond_context(engines: Iterable[Engine], tokens: int, need_token_ids: bool)
     The candidates are the eligible engines (that provide token IDs, if the request needs
     them). ``None`` too when there is no candidate: that is the caller's 503.
     """
-    candidates = [
-        engine
-        for engine in engines
-        if engine.eligible and (engine.provides_token_ids or not need_token_ids)
-    ]
-    if not candidates or tokens <= _longest(candidates):
-        return None
-    return _destination(candidates)
+    return Candidates(engines).beyond(tokens, need_token_ids)
 
 
 class Candidates:
@@ -75,21 +68,16 @@ class Candidates:
         candidates, longest = self._by_need[need_token_ids]
         if not candidates or tokens <= longest:
             return None
-        return _destination(candidates)
-
-
-def _destination(candidates: list[Engine]) -> Engine:
-    """Where a prompt longer than every candidate's context goes: the longest context is the
-    likeliest to serve it if the size was overestimated; then the engine with room, then the
-    least occupied."""
-    return max(
-        candidates,
-        key=lambda engine: (
-            engine.max_model_len or 0,
-            engine.can_place,
-            -(engine.prefill + engine.decode),
-        ),
-    )
+        # The longest context is the likeliest to serve it if the size was overestimated; then
+        # the engine with room, then the least occupied.
+        return max(
+            candidates,
+            key=lambda engine: (
+                engine.max_model_len or 0,
+                engine.can_place,
+                -(engine.prefill + engine.decode),
+            ),
+        )
 
 
 def _longest(engines: list[Engine]) -> float:

@@ -220,6 +220,14 @@ class EnginePlan:
         heapq.heapify(self.prefill_free)
         self._at: float | None = None  # placement(), until the plan here changes
 
+    def serves(self, tokens: int, need_token_ids: bool) -> bool:
+        """Whether the engine can take such a request, as it was when the plan was made: its
+        context holds the prompt (:func:`~narwhal.admission.context.fits`), and it provides
+        token IDs if the request needs them."""
+        if need_token_ids and not self.token_ids:
+            return False
+        return self.max_len is None or tokens <= self.max_len
+
     @property
     def ends(self) -> _Ends:
         if self._ends is None:
@@ -375,12 +383,10 @@ class Plan:
         """
         tokens = waiter.prompt_tokens
         candidates: list[tuple[float, int, EnginePlan]] = []
+        need_token_ids = waiter.need_token_ids
         for number, plan in enumerate(self.engines):
-            if waiter.need_token_ids and not plan.token_ids:
-                continue
-            if plan.max_len is not None and tokens > plan.max_len:
-                continue  # its context does not hold the prompt (admission.context.fits)
-            candidates.append((plan.earliest_first_token(tokens), number, plan))
+            if plan.serves(tokens, need_token_ids):
+                candidates.append((plan.earliest_first_token(tokens), number, plan))
         # The engines in the order of their earliest possible first token: one whose bound
         # already loses to the best found cannot win, and its forecast is not asked.
         candidates.sort()

@@ -126,8 +126,7 @@ def project(
     alone = min(  # on the engines as the plan took them, as choose() read them
         p.forecast.standalone_s(tokens)
         for p in plan.engines
-        if (p.token_ids or not request.need_token_ids)
-        and (p.max_len is None or tokens <= p.max_len)
+        if p.serves(tokens, request.need_token_ids)
     )
     return _projection(
         elapsed_s + overhead_s,
