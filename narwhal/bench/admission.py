@@ -10,7 +10,8 @@ its requests cost, reproducibly, free of machine noise. The benchmark:
 2. **replays** the trace open-loop at multiples of that capacity (its time axis scaled), once in
    ``predictive`` mode and once in ``open`` mode, same seed;
 3. forces a sample of each predictive run's **refused** requests in, one rerun each, to see
-   whether they would have met the budget (false refusals);
+   whether they would have met the budget without pushing the requests around them out of
+   theirs (false refusals, :func:`narwhal.bench.goodput.displaced`);
 4. fills the router's retention and queue limits and measures the **memory** they add;
 
 and prints the figures, the quality bar's verdicts (:func:`narwhal.bench.goodput.evaluate`) and
@@ -41,6 +42,7 @@ from narwhal.bench.goodput import (
     CapacityPhase,
     FalseRefusals,
     ReplayFigures,
+    displaced,
     evaluate,
     replay_figures,
 )
@@ -77,6 +79,11 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 DEFAULT_LOADS = (0.5, 1.0, 2.0, 3.0)
+
+_HORIZON_BUDGETS = 5.0
+"""A forced-in rerun watches the requests arriving up to this many budgets after the forced one:
+the queue it joined (on the code trace at 0.5x, the requests it pushed out of their budget
+arrived up to 10 s after it at a 2 s budget)."""
 MODES = ("predictive", "open", "queue-cap", "engine-cap")
 """Every mode the benchmark runs (:data:`~narwhal.bench.replay.MODE_DESCRIPTIONS`)."""
 
@@ -110,6 +117,9 @@ class AdmissionSettings:
         false_refusal_samples: refused requests forced in per load (predictive runs), by
             load; a load not listed takes ``false_refusal_default``.
         false_refusal_default: the sample size of loads not in ``false_refusal_samples``.
+        false_refusal_horizon_s: how long after a forced-in request its rerun watches the
+            requests behind it, whose in-budget work it may have taken (``None``: five
+            budgets).
         memory: whether to measure the memory bar.
         jobs: worker processes (1: everything in this process).
         bar: the targets.
@@ -128,9 +138,16 @@ class AdmissionSettings:
     warmup_fraction: float = 0.2
     false_refusal_samples: tuple[tuple[float, int], ...] = ((0.5, 50),)
     false_refusal_default: int = 3
+    false_refusal_horizon_s: float | None = None
     memory: bool = True
     jobs: int = 1
     bar: Bar = attrs.field(factory=Bar)
+
+    @property
+    def horizon_s(self) -> float:
+        """How long after a forced-in request its rerun watches the requests behind it."""
+        horizon = self.false_refusal_horizon_s
+        return _HORIZON_BUDGETS * self.budget_s if horizon is None else horizon
 
     def samples_at(self, load: float) -> int:
         """How many refused requests to force in at ``load``."""
@@ -165,6 +182,7 @@ class AdmissionSettings:
             "capacity_passes": self.capacity_passes,
             "warmup_fraction": self.warmup_fraction,
             "false_refusal_samples": {str(load): self.samples_at(load) for load in self.loads},
+            "false_refusal_horizon_s": self.horizon_s,
             "memory": self.memory,
             "jobs": self.jobs,
             "bar": attrs.asdict(self.bar),
@@ -288,7 +306,7 @@ def run_admission(settings: AdmissionSettings, *, echo: Echo = print) -> Admissi
     if reruns:
         echo(
             f"false refusals: {reruns} reruns in {walls['false_refusals']:.0f} s wall (each ends "
-            "once its forced request is answered)"
+            f"{settings.horizon_s:g} s after its forced request's arrival, plus the budget)"
         )
 
     memory: MemoryResult | None = None
@@ -461,10 +479,12 @@ def _false_refusals(
             capacity.rps * figures[position].load,
             settings.budget_s,
             forced=index,
+            horizon_s=settings.horizon_s,
         )
         for position, index in reruns
     ]
     forced = _map(run_replay, jobs, settings.jobs)
+    work = settings.setup.work()
     updated = list(figures)
     for position, (figure, result) in enumerate(zip(figures, results, strict=True)):
         if figure.mode != "predictive":
@@ -474,6 +494,17 @@ def _false_refusals(
             for (where, index), rerun in zip(reruns, forced, strict=True)
             if where == position
         ]
+        changes = {
+            index: displaced(
+                result.outcomes,
+                rerun.outcomes,
+                index,
+                budget_s=settings.budget_s,
+                horizon_s=settings.horizon_s,
+                work=work,
+            )
+            for index, rerun in mine
+        }
         updated[position] = attrs.evolve(
             figure,
             false_refusals=FalseRefusals(
@@ -482,6 +513,9 @@ def _false_refusals(
                 sampled=tuple(index for index, _ in mine),
                 met_budget=tuple(index for index, rerun in mine if rerun.forced_ttft_s is not None),
                 ttfts_s={index: rerun.forced_ttft_s for index, rerun in mine},
+                false=tuple(index for index, change in changes.items() if change.false),
+                others_s={index: change.others_s for index, change in changes.items()},
+                horizon_s=settings.horizon_s,
             ),
         )
     return updated

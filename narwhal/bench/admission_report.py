@@ -214,7 +214,7 @@ def render_runs(runs: Sequence[ReplayFigures]) -> list[str]:
         false = run.false_refusals
         false_text = "-"
         if false is not None and false.sampled:
-            false_text = f"{len(false.met_budget)}/{len(false.sampled)}"
+            false_text = f"{len(false.false)}/{len(false.sampled)}"
         elif false is not None:
             false_text = "0/0"
         lines.append(
@@ -325,7 +325,8 @@ def render_report(report: AdmissionReport) -> list[str]:
         "queue or retention full; 503: unavailable, and the engines' own 503 in engine-cap mode "
         "(engine_busy, passed on by the router as 502); unatt: requests in the window whose "
         "first token, alone on an idle engine, would miss the budget (out of the bound); "
-        "false: refused requests forced in that met the budget / sampled; arrival: error of "
+        "false: refused requests forced in that met the budget without taking more in-budget "
+        "work from the requests around them than their own / sampled; arrival: error of "
         "admission's TTFT projection at arrival (scored), median / p90; place: of the router's "
         "prediction at placement, after the queue wait. The bound with the budget as a "
         "deadline (not a verdict's): in any piece of time, the requests arriving in it that "

@@ -663,6 +663,13 @@ def _admission_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {_DEFAULT_SAMPLES}; --quick {_QUICK_SAMPLES})",
     )
     parser.add_argument(
+        "--false-refusal-horizon-s",
+        type=_positive_float,
+        metavar="S",
+        help="how long after a forced-in refusal its rerun watches the requests behind it, "
+        "whose in-budget work admitting it may have taken (default: 5 budgets)",
+    )
+    parser.add_argument(
         "--workers",
         type=_positive_int,
         default=1,
@@ -811,6 +818,7 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings:
         capacity_window_s=window,
         false_refusal_samples=((0.5, light),),
         false_refusal_default=other if len(samples) > 1 else light,
+        false_refusal_horizon_s=args.false_refusal_horizon_s,
         memory=not args.no_memory,
         jobs=args.jobs or default_jobs(),
     )

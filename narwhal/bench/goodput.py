@@ -48,6 +48,12 @@ Definitions (``benchmarks/README.md`` says the same for readers of the report):
   within its own budget window by the engines (the exact optimum of a relaxation: the engines
   as one machine, fractions of requests, the decode free), and what the engines could do inside
   the window with the work that had arrived. It sees a trace's bursts and silences.
+* **false refusal**: a refused request that, forced in on a rerun of the same seeded replay,
+  met its budget, and around which (from one budget before its arrival to a horizon after it)
+  the requests ended with more in-budget work, its own included, than without it
+  (:func:`displaced`). A request that could meet its budget only by pushing others out of
+  theirs was rightly refused: by itself it would have "met the budget", which is reported
+  beside.
 
 A verdict is ``PASS``, ``FAIL`` or ``NOT RUN`` (its figure was not measured), and the overall
 verdict (:func:`overall_verdict`) is ``PASS`` only when every target was checked and passed.
@@ -77,6 +83,7 @@ __all__ = [
     "CapacityPhase",
     "Check",
     "CostModel",
+    "Displacement",
     "FalseRefusals",
     "Outcome",
     "Prediction",
@@ -88,6 +95,7 @@ __all__ = [
     "bound",
     "charge_step",
     "deadline_bound",
+    "displaced",
     "engine_parts",
     "engine_seconds",
     "evaluate",
@@ -523,8 +531,86 @@ class PredictionError:
 
 
 @attrs.frozen
+class Displacement:
+    """What forcing one refused request in changed around it (:func:`displaced`).
+
+    Attributes:
+        forced_s: the forced request's work if it met the budget (0: it did not).
+        others_s: how much the in-budget work of the other requests around it changed
+            (negative: it pushed some out of their budget, or out of admission).
+        lost: other requests in budget without it and not with it.
+        gained: other requests in budget with it and not without it.
+    """
+
+    forced_s: float
+    others_s: float
+    lost: int
+    gained: int
+
+    @property
+    def met_budget(self) -> bool:
+        """The forced request met its budget."""
+        return self.forced_s > 0
+
+    @property
+    def false(self) -> bool:
+        """The refusal was false: the forced request met its budget, and the requests around
+        it, itself included, ended with more in-budget work than without it."""
+        return self.met_budget and self.forced_s + self.others_s > 0
+
+
+def displaced(
+    base: Iterable[Outcome],
+    rerun: Iterable[Outcome],
+    forced: int,
+    *,
+    budget_s: float,
+    horizon_s: float,
+    work: Work | CostModel,
+) -> Displacement:
+    """Compare a forced-in rerun with the run it forced a refusal into.
+
+    The requests compared are those arriving from one budget before the forced request (whose
+    first tokens it may still delay) to ``horizon_s`` after it (the queue behind it), each
+    weighed by its work (:class:`Work`); the rerun must have run until the last of them had
+    its budget. A request in the window that the rerun did not send counts as out of budget.
+
+    Raises:
+        ValueError: the forced request is not in both runs.
+    """
+    work = _as_work(work)
+    before = {outcome.index: outcome for outcome in base}
+    after = {outcome.index: outcome for outcome in rerun}
+    if forced not in before or forced not in after:
+        raise ValueError(f"request {forced} is not in both runs")
+    target = after[forced]
+    start, end = target.arrival_s - budget_s, target.arrival_s + horizon_s
+    others = lost = gained = 0.0
+    for index, outcome in before.items():
+        if index == forced or not start <= outcome.arrival_s <= end:
+            continue
+        other = after.get(index)
+        was = outcome.in_budget(budget_s)
+        now = other is not None and other.in_budget(budget_s)
+        if was != now:
+            seconds = work.seconds(outcome.prompt_tokens, outcome.output_tokens)
+            others += seconds if now else -seconds
+            gained += now
+            lost += was
+    forced_s = 0.0
+    if target.in_budget(budget_s):
+        forced_s = work.seconds(target.prompt_tokens, target.output_tokens)
+    return Displacement(forced_s, others, int(lost), int(gained))
+
+
+@attrs.frozen
 class FalseRefusals:
-    """Refused requests forced in on the same seeded run: would they have met the budget?
+    """Refused requests forced in on the same seeded run: was refusing them a loss?
+
+    A refusal is false when the forced request met its budget and the requests around it
+    (:func:`displaced`), itself included, ended with more in-budget work than without it: a
+    request that would have met its budget by pushing others out of theirs was rightly
+    refused. Whether it met its budget alone is kept beside (``met_budget``).
 
     Attributes:
         refused: requests refused by predictive admission in the run.
@@ -532,6 +618,12 @@ class FalseRefusals:
         sampled: indices of the refused requests forced in, one rerun each.
         met_budget: of those, the ones whose TTFT, forced in, was within the budget.
         ttfts_s: the forced-in TTFTs, by index (``None``: no first output).
+        false: of ``met_budget``, those whose refusal was false (the in-budget work around
+            them rose with them).
+        others_s: by index, how much the other requests' in-budget work around it changed
+            (:attr:`Displacement.others_s`).
+        horizon_s: how long after each forced request its rerun watched the requests behind
+            it (``None``: the rerun did not watch, and only ``met_budget`` is known).
     """
 
     refused: int
@@ -539,10 +631,19 @@ class FalseRefusals:
     sampled: tuple[int, ...] = ()
     met_budget: tuple[int, ...] = ()
     ttfts_s: Mapping[int, float | None] = attrs.field(factory=dict)
+    false: tuple[int, ...] = ()
+    others_s: Mapping[int, float] = attrs.field(factory=dict)
+    horizon_s: float | None = None
 
     @property
     def false_share(self) -> float | None:
         """The share of sampled refusals that were false (``None`` without a sample)."""
+        return safe_ratio(len(self.false), len(self.sampled))
+
+    @property
+    def met_share(self) -> float | None:
+        """The share of sampled refusals that met the budget, forced in (``None`` without a
+        sample): false or not, by themselves."""
         return safe_ratio(len(self.met_budget), len(self.sampled))
 
     @property
@@ -564,7 +665,11 @@ class FalseRefusals:
             "sampled": list(self.sampled),
             "met_budget": list(self.met_budget),
             "ttfts_s": {str(index): ttft for index, ttft in self.ttfts_s.items()},
+            "false": list(self.false),
+            "others_s": {str(index): change for index, change in self.others_s.items()},
+            "horizon_s": self.horizon_s,
             "false_share": self.false_share,
+            "met_share": self.met_share,
             "rate": self.rate,
         }
 
@@ -1244,6 +1349,9 @@ def _false_refusal_check(load: float, false: FalseRefusals | None, bar: Bar) -> 
         note = f"all {refused} refusals forced in (fewer than {bar.false_refusal_min_samples})"
     else:
         note = f"{sampled} of {refused} refusals forced in"
+    note += f"; {len(false.met_budget)} met the budget"
+    if false.horizon_s is not None:
+        note += f", {len(false.false)} without taking as much from those around them"
     return Check(
         name, _at_most(false.rate, bar.false_refusal_rate), _pct(false.rate), target, note=note
     )

@@ -299,7 +299,6 @@ class _Probe:
     """What the hooks saw of one request."""
 
     forced: bool = False
-    stop: trio.CancelScope | None = None  # the forced request's: the rerun, to end once answered
     projected_ttft_s: float | None = None
     would_refuse: bool = False
     router_ttft_s: float | None = None
@@ -485,12 +484,9 @@ async def _send(
             if status != 200:
                 code = _error_code(await response.aread())
                 record(code, finished=False)
-                _answered(probe)
                 return
             async for chunk in response.aiter_raw():
                 timer.feed(chunk, trio.current_time())
-                if probe.stop is not None and timer.fail("").ttft_s is not None:
-                    _answered(probe)  # recorded as cut at the next checkpoint, its TTFT kept
             record(None, finished=True)
     except httpx.HTTPError as exc:
         record(type(exc).__name__, finished=False)
@@ -517,13 +513,6 @@ def _router_warnings_quiet() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-
-
-def _answered(probe: _Probe) -> None:
-    """The forced request of a rerun has its answer (its first output, or an error): what
-    comes after cannot change it, so the rerun ends here."""
-    if probe.stop is not None:
-        probe.stop.cancel()
 
 
 def _error_code(raw: bytes) -> str:
@@ -731,8 +720,11 @@ class ReplayJob:
         rate: the offered mean rate, requests per second (the trace's time axis is scaled).
         budget_s: the TTFT budget.
         forced: the trace index of a request forced in (exempt from predictive refusal); the
-            run then stops once that request is answered (its first output, or an error), or
-            once its budget has run out.
+            run then stops ``horizon_s`` after that request's arrival, plus the budget, so
+            that every request arriving up to ``horizon_s`` after it has had its budget.
+        horizon_s: how long after the forced request's arrival the requests it may have
+            displaced are watched (:func:`~narwhal.bench.goodput.displaced`): its own answer
+            (0), or the queue behind it too.
         queue_cap: the router's queue cap (``queue-cap`` mode).
         max_num_queued_tokens: each engine's engine-side cap (``engine-cap`` mode).
         warmup_fraction: share of the replay's span before its measurement window (the
@@ -744,6 +736,7 @@ class ReplayJob:
     rate: float
     budget_s: float
     forced: int | None = None
+    horizon_s: float = 0.0
     queue_cap: int | None = None
     max_num_queued_tokens: tuple[int, ...] = ()
     warmup_fraction: float = 0.2
@@ -867,12 +860,11 @@ async def _replay(job: ReplayJob) -> ReplayResult:
         with _hooks(fleet), _ledgered(fleet, _Ledger(origin, window)) as ledger:
             stop_at = float("inf")
             if forced_row is not None:
-                stop_at = origin + forced_row.arrival_s + job.budget_s
+                stop_at = origin + forced_row.arrival_s + job.horizon_s + job.budget_s
             sampler = _Sampler(fleet, origin)
             async with trio.open_nursery() as sampling:
                 sampling.start_soon(sampler.run)
-                with trio.move_on_at(stop_at) as stop:
-                    forced_probe.stop = stop
+                with trio.move_on_at(stop_at):
                     async with trio.open_nursery() as nursery:
                         for row in rows:
                             await trio.sleep_until(origin + row.arrival_s)

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from narwhal.bench.cli import admission_settings, main, parse_floats
-from narwhal.bench.goodput import Capacity, replay_figures
+from narwhal.bench.goodput import Capacity, displaced, replay_figures
 from narwhal.bench.inprocess import CoalescingSimEngine
 from narwhal.bench.replay import (
     CapacityJob,
@@ -109,22 +109,36 @@ def test_a_refused_request_forced_in_on_the_same_seeded_run() -> None:
     ]
     assert len(ended) > 5
     assert all(rerun[outcome.index] == outcome for outcome in ended)
-    # It stops once the forced request is answered, or its budget has run out.
-    answered = mine.ttft_s if mine.ttft_s is not None and mine.ttft_s <= tight else tight
-    assert forced.virtual_s == pytest.approx(target.arrival_s + answered)
+    # Without a horizon it stops once the forced request's budget has run out.
+    assert forced.virtual_s == pytest.approx(target.arrival_s + tight)
     assert not any(outcome.arrival_s > forced.virtual_s for outcome in forced.outcomes)
 
 
-def test_a_forced_in_rerun_ends_once_the_forced_request_is_answered() -> None:
-    job = ReplayJob(attrs.evolve(SETUP, duration_s=20.0), "predictive", CAPACITY.rps, 2.0)
+def test_a_forced_in_rerun_watches_the_requests_behind_it_for_its_horizon() -> None:
+    job = ReplayJob(SETUP, "predictive", CAPACITY.rps, 0.5)
     baseline = run_replay(job)
-    target = baseline.outcomes[len(baseline.outcomes) // 2]
-    assert target.ttft_s is not None and target.ttft_s < 2.0
-    forced = run_replay(attrs.evolve(job, forced=target.index))
+    target = baseline.outcomes[len(baseline.outcomes) // 3]
+    assert target.ttft_s is not None and target.ttft_s < 0.5
+    forced = run_replay(attrs.evolve(job, forced=target.index, horizon_s=0.3))
     assert forced.forced_ttft_s == pytest.approx(target.ttft_s)
-    # Ended at its first output, well before its budget ran out (and the trace's end).
-    assert forced.virtual_s == pytest.approx(target.arrival_s + target.ttft_s)
-    assert len(forced.outcomes) < len(baseline.outcomes)
+    # It ran until every request arriving up to 0.3 s after it had had its budget, and no
+    # further: the trace goes on.
+    assert forced.virtual_s == pytest.approx(target.arrival_s + 0.3 + 0.5)
+    assert baseline.virtual_s > forced.virtual_s + 0.5
+    behind = [
+        o for o in forced.outcomes if target.arrival_s < o.arrival_s <= target.arrival_s + 0.3
+    ]
+    assert len(behind) > 5 and all(o.status == 200 for o in behind)
+    # Forcing in one that was admitted anyway changes nothing around it.
+    change = displaced(
+        baseline.outcomes,
+        forced.outcomes,
+        target.index,
+        budget_s=0.5,
+        horizon_s=0.3,
+        work=SETUP.work(),
+    )
+    assert (change.lost, change.gained, change.others_s) == (0, 0, 0.0)
 
 
 def test_capacity_is_what_a_saturated_closed_loop_completes_of_the_traces_mix() -> None:

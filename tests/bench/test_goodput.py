@@ -11,6 +11,7 @@ from narwhal.bench.goodput import (
     Bar,
     Capacity,
     Check,
+    Displacement,
     FalseRefusals,
     Outcome,
     Prediction,
@@ -18,6 +19,7 @@ from narwhal.bench.goodput import (
     ReplayFigures,
     Window,
     bound,
+    displaced,
     engine_seconds,
     evaluate,
     outcome_label,
@@ -100,12 +102,57 @@ def test_prediction_error_is_relative_to_the_observed_time() -> None:
 
 
 def test_false_refusals_as_a_share_of_offered() -> None:
-    false = FalseRefusals(refused=10, offered=1000, sampled=(1, 2, 3, 4), met_budget=(2,))
-    assert false.false_share == 0.25
+    false = FalseRefusals(
+        refused=10, offered=1000, sampled=(1, 2, 3, 4), met_budget=(2, 3), false=(2,)
+    )
+    assert false.false_share == 0.25  # met the budget without taking as much from others
+    assert false.met_share == 0.5  # beside it: met the budget, whatever it took
     assert false.rate == pytest.approx(10 / 1000 * 0.25)
     assert FalseRefusals(refused=0, offered=1000).rate == 0.0
     assert FalseRefusals(refused=5, offered=100).false_share is None
     assert false.as_json()["rate"] == pytest.approx(0.0025)
+
+
+def test_a_refusal_is_false_when_admitting_it_gained_in_budget_work_around_it() -> None:
+    # Each request here is 0.11 s of work (100 prompt tokens, 11 out); the budget is 2 s.
+    base = [served(i, float(i), 1.0) for i in range(20)]
+    base[10] = failed(10, 10.0, 429, "ttft_budget_exceeded")
+
+    def rerun(*changes: Outcome) -> list[Outcome]:
+        outcomes = {outcome.index: outcome for outcome in base}
+        outcomes.update({outcome.index: outcome for outcome in changes})
+        return list(outcomes.values())
+
+    def change(*outcomes: Outcome, horizon_s: float = 5.0) -> Displacement:
+        return displaced(
+            base, rerun(*outcomes), 10, budget_s=2.0, horizon_s=horizon_s, work=PROFILE
+        )
+
+    harmless = change(served(10, 10.0, 1.5))
+    assert harmless == Displacement(pytest.approx(0.11), 0.0, 0, 0)
+    assert harmless.met_budget and harmless.false
+    # It met its budget by pushing one request behind it out of its own: an even trade of
+    # work, not a loss to refuse.
+    even = change(served(10, 10.0, 1.5), served(12, 12.0, 2.5))
+    assert (even.lost, even.gained) == (1, 0) and even.others_s == pytest.approx(-0.11)
+    assert even.met_budget and not even.false
+    # A longer request pushed out (1,000 prompt tokens): more lost than it brought.
+    longer = [served(13, 13.0, 1.0, prompt=1000)]
+    base[13] = longer[0]
+    costly = change(served(10, 10.0, 1.5), served(13, 13.0, 2.5, prompt=1000))
+    assert costly.others_s == pytest.approx(-1.01) and not costly.false
+    # One pushed out beyond the horizon, or before the budget ahead of it, is not its doing.
+    assert change(served(10, 10.0, 1.5), served(16, 16.0, 2.5)).false
+    assert change(served(10, 10.0, 1.5), served(7, 7.0, 2.5)).false
+    assert not change(served(10, 10.0, 1.5), served(16, 16.0, 2.5), horizon_s=6.0).false
+    # A request refused in the rerun (admission saw the longer queue) is out of its budget.
+    refused = change(served(10, 10.0, 1.5), failed(11, 11.0, 429, "ttft_budget_exceeded"))
+    assert (refused.lost, refused.gained) == (1, 0) and not refused.false
+    # Missed its own budget: never false, whatever happened around it.
+    assert not change(served(10, 10.0, 2.5)).false
+    assert not change(failed(10, 10.0, 504, "admission_wait_expired")).met_budget
+    with pytest.raises(ValueError, match="not in both runs"):
+        displaced(base, base[:5], 10, budget_s=2.0, horizon_s=5.0, work=PROFILE)
 
 
 def test_refusal_samples_are_seeded_and_bounded() -> None:
@@ -230,7 +277,7 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
         figures(
             0.5,
             "predictive",
-            false_refusals=FalseRefusals(10, 1000, tuple(range(10)), (2,)),
+            false_refusals=FalseRefusals(10, 1000, tuple(range(10)), (2, 3), false=(2,)),
             projection_pairs=((1.05, 1.0),) * 8 + ((1.25, 1.0),) * 2,
             placement_pairs=((1.01, 1.0),) * 10,
         ),
@@ -245,7 +292,7 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
     assert not any("(requests)" in name for name in checks)
     false = checks["false refusals at 0.5x (share of offered)"]
     assert false.passed is True and false.measured == "0.1 %"  # 10 / 1000 refused, 1 in 10 false
-    assert false.note == "all 10 refusals forced in (fewer than 50)"
+    assert false.note == "all 10 refusals forced in (fewer than 50); 2 met the budget"
     assert checks["admitted in budget at 2x"].passed is True
     assert "admitted in budget at 0.5x" not in checks
     # The projection at arrival is scored; the prediction at placement is beside it.
@@ -271,9 +318,22 @@ def test_false_refusals_are_not_checked_on_fewer_than_50_samples() -> None:
         few.note or ""
     )
     enough = check(FalseRefusals(200, 1000, tuple(range(50)), ()))
-    assert enough.verdict == "PASS" and enough.note == "50 of 200 refusals forced in"
-    every = check(FalseRefusals(30, 1000, tuple(range(30)), tuple(range(15))))
-    assert every.verdict == "FAIL" and every.note == "all 30 refusals forced in (fewer than 50)"
+    assert enough.verdict == "PASS"
+    assert enough.note == "50 of 200 refusals forced in; 0 met the budget"
+    every = check(
+        FalseRefusals(30, 1000, tuple(range(30)), tuple(range(15)), false=tuple(range(15)))
+    )
+    assert every.verdict == "FAIL"
+    assert every.note == "all 30 refusals forced in (fewer than 50); 15 met the budget"
+    # What the verdict counts: those that met the budget without taking as much from others.
+    watched = check(
+        FalseRefusals(50, 1000, tuple(range(50)), tuple(range(40)), false=(1,), horizon_s=10.0)
+    )
+    assert watched.verdict == "PASS" and watched.measured == "0.1 %"
+    assert watched.note == (
+        "50 of 50 refusals forced in; 40 met the budget, 1 without taking as much from those "
+        "around them"
+    )
     assert check(FalseRefusals(0, 1000)).verdict == "PASS"  # nothing refused: nothing false
     assert check(FalseRefusals(200, 1000)).verdict == "NOT RUN"
 
