@@ -619,7 +619,7 @@ class FalseRefusals:
         met_budget: of those, the ones whose TTFT, forced in, was within the budget.
         ttfts_s: the forced-in TTFTs, by index (``None``: no first output).
         false: of ``met_budget``, those whose refusal was false (the in-budget work around
-            them rose with them).
+            them rose with them); counted only where ``horizon_s`` is set.
         others_s: by index, how much the other requests' in-budget work around it changed
             (:attr:`Displacement.others_s`).
         horizon_s: how long after each forced request its rerun watched the requests behind
@@ -637,8 +637,11 @@ class FalseRefusals:
 
     @property
     def false_share(self) -> float | None:
-        """The share of sampled refusals that were false (``None`` without a sample)."""
-        return safe_ratio(len(self.false), len(self.sampled))
+        """The share of sampled refusals that were false (``None`` without a sample); where
+        the reruns did not watch the requests around them, those that met the budget (the
+        stricter count)."""
+        false = self.met_budget if self.horizon_s is None else self.false
+        return safe_ratio(len(false), len(self.sampled))
 
     @property
     def met_share(self) -> float | None:

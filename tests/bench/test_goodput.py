@@ -103,10 +103,12 @@ def test_prediction_error_is_relative_to_the_observed_time() -> None:
 
 def test_false_refusals_as_a_share_of_offered() -> None:
     false = FalseRefusals(
-        refused=10, offered=1000, sampled=(1, 2, 3, 4), met_budget=(2, 3), false=(2,)
+        refused=10, offered=1000, sampled=(1, 2, 3, 4), met_budget=(2, 3), false=(2,), horizon_s=10
     )
     assert false.false_share == 0.25  # met the budget without taking as much from others
     assert false.met_share == 0.5  # beside it: met the budget, whatever it took
+    # Not watched past the forced request: what met the budget counts (the stricter count).
+    assert attrs.evolve(false, horizon_s=None).false_share == 0.5
     assert false.rate == pytest.approx(10 / 1000 * 0.25)
     assert FalseRefusals(refused=0, offered=1000).rate == 0.0
     assert FalseRefusals(refused=5, offered=100).false_share is None
@@ -277,7 +279,9 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
         figures(
             0.5,
             "predictive",
-            false_refusals=FalseRefusals(10, 1000, tuple(range(10)), (2, 3), false=(2,)),
+            false_refusals=FalseRefusals(
+                10, 1000, tuple(range(10)), (2, 3), false=(2,), horizon_s=10.0
+            ),
             projection_pairs=((1.05, 1.0),) * 8 + ((1.25, 1.0),) * 2,
             placement_pairs=((1.01, 1.0),) * 10,
         ),
@@ -292,7 +296,10 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
     assert not any("(requests)" in name for name in checks)
     false = checks["false refusals at 0.5x (share of offered)"]
     assert false.passed is True and false.measured == "0.1 %"  # 10 / 1000 refused, 1 in 10 false
-    assert false.note == "all 10 refusals forced in (fewer than 50); 2 met the budget"
+    assert false.note == (
+        "all 10 refusals forced in (fewer than 50); 2 met the budget, 1 without taking as much "
+        "from those around them"
+    )
     assert checks["admitted in budget at 2x"].passed is True
     assert "admitted in budget at 0.5x" not in checks
     # The projection at arrival is scored; the prediction at placement is beside it.
@@ -320,9 +327,7 @@ def test_false_refusals_are_not_checked_on_fewer_than_50_samples() -> None:
     enough = check(FalseRefusals(200, 1000, tuple(range(50)), ()))
     assert enough.verdict == "PASS"
     assert enough.note == "50 of 200 refusals forced in; 0 met the budget"
-    every = check(
-        FalseRefusals(30, 1000, tuple(range(30)), tuple(range(15)), false=tuple(range(15)))
-    )
+    every = check(FalseRefusals(30, 1000, tuple(range(30)), tuple(range(15))))
     assert every.verdict == "FAIL"
     assert every.note == "all 30 refusals forced in (fewer than 50); 15 met the budget"
     # What the verdict counts: those that met the budget without taking as much from others.
