@@ -493,11 +493,14 @@ class Router(RouterBase):
                 plan=self.queue.current_plan(),
                 overrun=self.queue.overrun(now, self.margin.floor_share * budget),
                 budget_s=budget,
+                overloaded=self.margin.overloaded(now, budget),
             )
             serviceable = projection is not None
             if projection is not None:
                 refusal = judge(projection, budget)
                 waiter.projected_wait_s = projection.wait_s
+                if refusal is not None and refusal.code == "ttft_budget_exceeded":
+                    self.margin.refused(now)  # over budget on its wait (shadow mode's too)
         verdict: Verdict = "admitted"
         if not serviceable:
             verdict = "unavailable"

@@ -35,8 +35,18 @@ already overrun their predicted waits by more (the queue runs late now), that ov
 wait's. Until enough requests have taught a band, the caution is a cautious prior: 1.5 times
 the compute ahead, 2 times the wait for a seat, 1.25 times the own prefill. While what is
 admitted meets the budget (at most one miss among the last 512 admitted requests), each part is
-read at its 98th percentile rather than its 99th (:attr:`SafetyMargin.quantile`): the target
+read at its 95th percentile rather than its 99th (:attr:`SafetyMargin.quantile`): the target
 is 99 % in budget, and misses come in bursts, which bring the 99th back.
+
+**While admission refuses** (it refused a request within the last budget, before this
+instant: :meth:`SafetyMargin.overloaded`), the caution adds a quarter of the predicted wait
+(:attr:`SafetyMargin.overload_share`). Requests keep arriving at the edge then, and the engines
+stay busy whoever is admitted: a request with a long wait adds no work that those arriving
+behind it would not bring, while it is the one an engine found slower late makes miss. (On the
+code trace at half load, admitting one refused request pushed others out of their budget,
+about 2.8 a refusal; on the bursty trace, whose refusals are a tick's tail with nobody behind
+it before the queue drains, none: ``benchmarks/README.md``, "Nineteenth round".) A tick's
+requests arrive in one instant and the first refusal of a tick does not tighten the rest.
 """
 
 from __future__ import annotations
@@ -120,7 +130,7 @@ WAIT_BANDS = (0.05, 0.2, 0.4, 0.6, 0.8)
 """A predicted wait (or own prefill) is judged by the errors of those of about its length: these
 shares of the budget start each band."""
 
-_LADDER = 1.15  # a band not yet taught: the nearest taught one's, plus 15 % of the wait a band
+_LADDER = 1.05  # a band not yet taught: the nearest taught one's, plus 5 % of the wait a band
 
 
 def _seconds() -> Ratios:
@@ -136,7 +146,7 @@ class Overruns:
     their quantile (negative where they come in early even then): queueing errors under a
     rising load reach long waits last, so a band is judged by its own. A prediction under the
     first band takes that band's in proportion to its length. A band not yet taught takes the
-    nearest taught one below plus 15 % of the prediction per band climbed (compounded:
+    nearest taught one below plus 5 % of the prediction per band climbed (compounded:
     admitting slightly longer waits, with caution, is how the band learns), at most what the
     prior would add. Until a band up to it is taught, the prior: the prediction times
     ``prior``.
@@ -229,6 +239,8 @@ class SafetyMargin:
         calm_quantile: the quantile the parts' cautions are read at while at most
             ``calm_misses`` of the last ``outcomes`` admitted requests (and at least a quarter
             of that many seen) missed the budget; otherwise each window's own (the 99th).
+        overload_share: the share of the predicted wait the caution adds while admission
+            refuses (:meth:`overloaded`).
     """
 
     compute_late: Overruns = attrs.field(factory=lambda: Overruns(1.5))
@@ -242,11 +254,22 @@ class SafetyMargin:
     own_only_share: float = 0.25
     compute_share: float = 0.1
     seat_share: float = 0.5
-    calm_quantile: float = 0.98
+    calm_quantile: float = 0.95
     calm_misses: int = 1
     outcomes: int = 512
+    overload_share: float = 0.25
     _missed: deque[bool] = attrs.field(init=False, factory=deque)
     _misses: int = attrs.field(init=False, default=0)
+    _refused_at: float = attrs.field(init=False, default=-math.inf)
+
+    def refused(self, now: float) -> None:
+        """Admission refused a request (or, in shadow mode, would have) at ``now``."""
+        self._refused_at = now
+
+    def overloaded(self, now: float, budget_s: float) -> bool:
+        """Whether admission is refusing: it refused a request within the last ``budget_s``,
+        before ``now`` (one instant's arrivals, a tick, do not tighten each other)."""
+        return now - budget_s < self._refused_at < now
 
     @property
     def quantile(self) -> float | None:
@@ -334,6 +357,7 @@ class SafetyMargin:
         *,
         budget_s: float = 2.0,
         seat_s: float = 0.0,
+        overloaded: bool = False,
     ) -> float:
         """What the projection adds to the typical first token (seconds, never negative).
 
@@ -346,6 +370,8 @@ class SafetyMargin:
                 requests that have finished waiting, only show later.
             budget_s: the budget (each band is a share of it).
             seat_s: the part of ``wait_s`` that is for a seat.
+            overloaded: admission is refusing (:meth:`overloaded`): add ``overload_share`` of
+                the predicted wait.
         """
         seat_s = min(max(0.0, seat_s), wait_s)
         compute_s = wait_s - seat_s
@@ -367,7 +393,10 @@ class SafetyMargin:
         # The wait's error and the own prefill's are apart (a queue's, and a step's neighbour):
         # both at their 99th percentile at once is far rarer than either, so their cautions
         # add as independent errors do, root-sum-square, not as a sum.
-        return math.hypot(wait, own)
+        caution = math.hypot(wait, own)
+        if overloaded:
+            caution += self.overload_share * wait_s
+        return caution
 
     def observe(
         self,

@@ -86,6 +86,7 @@ def project(
     plan: Plan | None = None,
     overrun: float = 0.0,
     budget_s: float = 2.0,
+    overloaded: bool = False,
 ) -> Projection | None:
     """Project the TTFT of a request arriving now; ``None`` when no engine could serve it.
 
@@ -105,6 +106,9 @@ def project(
         overrun: how far the requests waiting now have overrun their predicted waits
             (:meth:`~narwhal.admission.queue.AdmissionQueue.overrun`).
         budget_s: ``admission.ttft_budget_s`` (the margin judges a wait by its share of it).
+        overloaded: admission is refusing
+            (:meth:`~narwhal.admission.margin.SafetyMargin.overloaded`): the caution grows
+            with the wait.
     """
     engines = list(engines)
     over = beyond_context(engines, request.prompt_tokens, request.need_token_ids)
@@ -138,6 +142,7 @@ def project(
         overrun=overrun,
         budget_s=budget_s,
         seat_s=seat_s,
+        overloaded=overloaded,
     )
 
 
@@ -153,11 +158,14 @@ def _projection(
     budget_s: float = 2.0,
     beyond_context: bool = False,
     seat_s: float = 0.0,
+    overloaded: bool = False,
 ) -> Projection:
     typical_wait, typical_own, caution = wait_s, own_prefill_s, 0.0
     if margin is not None:
         typical_wait, typical_own = margin.typical(wait_s, own_prefill_s, seat_s, budget_s=budget_s)
-        caution = margin.caution_s(wait_s, own_prefill_s, overrun, budget_s=budget_s, seat_s=seat_s)
+        caution = margin.caution_s(
+            wait_s, own_prefill_s, overrun, budget_s=budget_s, seat_s=seat_s, overloaded=overloaded
+        )
     typical_s = fixed_s + typical_wait + typical_own
     return Projection(
         ttft_s=typical_s + caution,
