@@ -245,6 +245,8 @@ async def test_prompt_alone_over_budget_is_refused_without_retry_after(
     assert response.headers["x-should-retry"] == "false"
     assert fleet.counters()["refused"] == 1
     assert fleet.completions_received() == 0
+    # A prompt too long for the budget says nothing of the load: admission is not refusing.
+    assert not fleet.router.margin.overloaded(trio.current_time() + 0.001, 0.1)
 
 
 async def test_projection_over_budget_is_refused_with_the_overrun(
@@ -266,9 +268,14 @@ async def test_projection_over_budget_is_refused_with_the_overrun(
     assert 1 <= seconds <= 120 and 1000 <= millis <= 120_000
     assert abs(millis / 1000 - seconds) <= 0.5 or seconds == 1
     assert "exceeds the budget" in error["message"]
-    # The burst itself filled the budget: the later ones of it were refused too.
+    # The burst itself filled the budget: at least this one was refused.
     assert fleet.counters()["refused"] >= 1
     del done
+    # Admission is refusing now: for the next budget's seconds the caution grows with the wait.
+    now = trio.current_time()
+    assert not fleet.router.margin.overloaded(now, 1.0)  # this instant's own refusal: not yet
+    assert fleet.router.margin.overloaded(now + 0.001, 1.0)
+    assert not fleet.router.margin.overloaded(now + 1.0, 1.0)
 
 
 @pytest.mark.parametrize(

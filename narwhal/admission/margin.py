@@ -38,8 +38,8 @@ admitted meets the budget (at most one miss among the last 512 admitted requests
 read at its 95th percentile rather than its 99th (:attr:`SafetyMargin.quantile`): the target
 is 99 % in budget, and misses come in bursts, which bring the 99th back.
 
-**While admission refuses** (it refused a request within the last budget, before this
-instant: :meth:`SafetyMargin.overloaded`), the caution adds a quarter of the predicted wait
+**While admission refuses** (it refused a request as over budget within the last budget,
+before this instant: :meth:`SafetyMargin.overloaded`), the caution adds a quarter of the predicted wait
 (:attr:`SafetyMargin.overload_share`). Requests keep arriving at the edge then, and the engines
 stay busy whoever is admitted: a request with a long wait adds no work that those arriving
 behind it would not bring, while it is the one an engine found slower late makes miss. (On the
@@ -263,7 +263,8 @@ class SafetyMargin:
     _refused_at: float = attrs.field(init=False, default=-math.inf)
 
     def refused(self, now: float) -> None:
-        """Admission refused a request (or, in shadow mode, would have) at ``now``."""
+        """Admission refused a request as over budget (or, in shadow mode, would have) at
+        ``now``; a prompt over the budget alone says nothing of the load and is not told."""
         self._refused_at = now
 
     def overloaded(self, now: float, budget_s: float) -> bool:

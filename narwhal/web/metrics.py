@@ -109,7 +109,7 @@ class _RouterCollector(Collector):
         )
         yield GaugeMetricFamily(
             "narwhal_admission_caution_quantile",
-            "The quantile the caution's parts are read at: 0.98 while what is admitted meets "
+            "The quantile the caution's parts are read at: 0.95 while what is admitted meets "
             "the budget, else 0.99",
             value=margin.caution_quantile,
         )
