@@ -38,15 +38,16 @@ admitted meets the budget (at most one miss among the last 512 admitted requests
 read at its 95th percentile rather than its 99th (:attr:`SafetyMargin.quantile`): the target
 is 99 % in budget, and misses come in bursts, which bring the 99th back.
 
-**While admission refuses** (it refused a request as over budget within the last budget,
-before this instant: :meth:`SafetyMargin.overloaded`), the caution adds a quarter of the predicted wait
-(:attr:`SafetyMargin.overload_share`). Requests keep arriving at the edge then, and the engines
-stay busy whoever is admitted: a request with a long wait adds no work that those arriving
-behind it would not bring, while it is the one an engine found slower late makes miss. (On the
-code trace at half load, admitting one refused request pushed others out of their budget,
-about 2.8 a refusal; on the bursty trace, whose refusals are a tick's tail with nobody behind
-it before the queue drains, none: ``benchmarks/README.md``, "Nineteenth round".) A tick's
-requests arrive in one instant and the first refusal of a tick does not tighten the rest.
+**While admission refuses** (it refused a request as over budget within the last budget, before
+this instant: :meth:`SafetyMargin.overloaded`), the caution adds a quarter of the predicted
+wait (:attr:`SafetyMargin.overload_share`). Requests keep arriving at the edge then, and the
+engines stay busy whoever is admitted: a request with a long wait adds no work that those
+arriving behind it would not bring, while it is the one an engine found slower late makes miss.
+(On the code trace at half load, admitting one refused request pushed others out of their
+budget, about 2.8 a refusal; on the bursty trace, whose refusals are a tick's tail with nobody
+behind it before the queue drains, none: ``benchmarks/README.md``, "Nineteenth round".) A
+tick's requests arrive in one instant and the first refusal of a tick does not tighten the
+rest.
 """
 
 from __future__ import annotations
