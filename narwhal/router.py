@@ -30,7 +30,7 @@ from narwhal.control.lease import Lease, LeaseStatistics, open_lease
 from narwhal.control.maintenance import Maintenance
 from narwhal.control.state import ControlState, RouterState
 from narwhal.control.watchdog import Watchdog
-from narwhal.errors import Unavailable
+from narwhal.errors import PredictiveRefusal, Unavailable
 from narwhal.scheduling.engines import Engine, EnginePool, EngineStatistics, Slot
 from narwhal.scheduling.forecast import PrefillForecast
 from narwhal.scheduling.health import EngineHealth
@@ -499,7 +499,7 @@ class Router(RouterBase):
             if projection is not None:
                 refusal = judge(projection, budget)
                 waiter.projected_wait_s = projection.wait_s
-                if refusal is not None and refusal.code == "ttft_budget_exceeded":
+                if refusal is not None and refusal.code == PredictiveRefusal.default_code:
                     self.margin.refused(now)  # over budget on its wait (shadow mode's too)
         verdict: Verdict = "admitted"
         if not serviceable:

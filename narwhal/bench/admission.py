@@ -511,7 +511,7 @@ def _false_refusals(
                 refused=sum(1 for outcome in result.outcomes if outcome.refused),
                 offered=figure.offered,
                 sampled=tuple(index for index, _ in mine),
-                met_budget=tuple(index for index, rerun in mine if rerun.forced_ttft_s is not None),
+                met_budget=tuple(index for index, change in changes.items() if change.met_budget),
                 ttfts_s={index: rerun.forced_ttft_s for index, rerun in mine},
                 false=tuple(index for index, change in changes.items() if change.false),
                 others_s={index: change.others_s for index, change in changes.items()},

@@ -585,7 +585,7 @@ def displaced(
         raise ValueError(f"request {forced} is not in both runs")
     target = after[forced]
     start, end = target.arrival_s - budget_s, target.arrival_s + horizon_s
-    others = lost = gained = 0.0
+    others, lost, gained = 0.0, 0, 0
     for index, outcome in before.items():
         if index == forced or not start <= outcome.arrival_s <= end:
             continue
@@ -600,7 +600,7 @@ def displaced(
     forced_s = 0.0
     if target.in_budget(budget_s):
         forced_s = work.seconds(target.prompt_tokens, target.output_tokens)
-    return Displacement(forced_s, others, int(lost), int(gained))
+    return Displacement(forced_s, others, lost, gained)
 
 
 @attrs.frozen
