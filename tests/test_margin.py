@@ -35,12 +35,17 @@ def biases(min_samples: int) -> dict[str, Ratios]:
     }
 
 
-def quick(min_samples: int = 1, window: int = 512, **kw: object) -> SafetyMargin:
-    """A margin whose every part learns from ``min_samples`` requests."""
+def quick(
+    min_samples: int = 1, window: int = 512, quiet_quantile: float | None = None, **kw: object
+) -> SafetyMargin:
+    """A margin whose every part learns from ``min_samples`` requests. Its cautions are read as
+    while admission refuses, quiet or not, unless ``quiet_quantile`` is given: the tests of
+    what is learned read it at the quantiles that hold while refusing."""
     return SafetyMargin(
         compute_late=overruns(1.5, min_samples=min_samples, window=window),
         seat_late=overruns(2.0, min_samples=min_samples, window=window),
         own=overruns(1.25, min_samples=min_samples, window=window),
+        quiet_quantile=quiet_quantile,
         **biases(min_samples),  # type: ignore[arg-type]
         **kw,  # type: ignore[arg-type]
     )
@@ -82,13 +87,51 @@ def test_while_what_is_admitted_meets_the_budget_the_caution_is_the_95th_percent
     def missed() -> None:  # an idle long prompt whose first token came after the budget
         margin.observe(0.0, 0.0, 1.0, BUDGET + 0.5, budget_s=BUDGET)
 
-    assert (margin.caution_quantile, margin.recent_misses) == (0.95, 0)
+    assert (margin.caution_quantile(), margin.recent_misses) == (0.95, 0)
     missed()
     assert margin.quantile == 0.95  # one miss in 200 is inside the target
     missed()
     assert margin.quantile is None
-    assert (margin.caution_quantile, margin.recent_misses) == (0.99, 2)
+    assert (margin.caution_quantile(), margin.recent_misses) == (0.99, 2)
     assert margin.caution_s(1.0, 0.1) == pytest.approx(1.495 - 1.25)  # the 99th percentile
+
+
+def test_while_admission_is_not_refusing_the_caution_is_read_at_the_median() -> None:
+    """While admission is not refusing, nobody waits at the budget's edge behind a request:
+    admitting it risks its own budget only, so it is admitted when it is as likely to meet it
+    as not (each part read at its median). While refusing, at the 95th percentile, plus the
+    overload share."""
+    margin = quick(min_samples=32, window=200, outcomes=200, quiet_quantile=0.5)
+    for number in range(200):
+        _waited(margin, 1.0, 1.0 + number / 400)  # 0 to 0.4975 s late, every one in budget
+    assert margin.typical(1.0, 0.1)[0] == pytest.approx(1.25)
+    assert margin.reading(overloaded=False) == margin.caution_quantile(overloaded=False) == 0.5
+    assert margin.caution_s(1.0, 0.1) == pytest.approx(0.0)  # the median is the typical
+    assert margin.reading(overloaded=True) == margin.caution_quantile() == 0.95
+    assert margin.caution_s(1.0, 0.1, overloaded=True) == pytest.approx(1.475 - 1.25 + 0.25)
+    # The shipped margin reads a quiet caution at the median.
+    assert SafetyMargin().quiet_quantile == 0.5
+
+
+def test_a_seat_no_seat_has_taught_is_judged_with_the_compute_aheads_waits() -> None:
+    """On traffic whose waits are seldom for a seat, the seat's bands stay untaught: a seat
+    that is part of a wait the compute ahead's bands know is not given the seat's prior (twice
+    its wait); the whole wait is judged by those bands, until seats have taught their own."""
+    margin = quick(min_samples=32, window=200)
+    for number in range(200):
+        _waited(margin, 1.0, 1.0 + number / 400)  # compute waits, 0 to 0.4975 s late
+    assert margin.compute_late.taught(1.0, BUDGET) and not margin.seat_late.taught(0.3, BUDGET)
+    # A 1.0 s wait, 0.3 s of it for a seat: a 1.0 s compute wait at the 95th percentile (0.475
+    # s late), beyond its typical (1.25 s). The seat's prior would have made it
+    # hypot(1.5 x 0.7 - 0.875, 2 x 0.3 - 0.375) = 0.285 s.
+    assert margin.caution_s(1.0, 0.1, seat_s=0.3) == pytest.approx(0.225)
+    # Seats teach their band (waits mostly for a seat, on time): each part by its own now.
+    for _ in range(200):
+        margin.observe(0.01, 0.3, 0.1, 0.41, budget_s=BUDGET, seat_s=0.2)
+    assert margin.seat_late.taught(0.3, BUDGET)
+    # The compute ahead (0.7 s, its bands untaught below 0.8 s: the prior, 1.5 x) beyond its
+    # typical (1.25 x, its own bias now), and the seat on time: hypot(1.05 - 0.875, 0).
+    assert margin.caution_s(1.0, 0.1, seat_s=0.3) == pytest.approx(0.175)
 
 
 def test_the_waits_caution_is_the_99th_percentile_of_how_late_waits_came() -> None:

@@ -48,6 +48,15 @@ budget, about 2.8 a refusal; on the bursty trace, whose refusals are a tick's ta
 behind it before the queue drains, none: ``benchmarks/README.md``, "Nineteenth round".) A
 tick's requests arrive in one instant and the first refusal of a tick does not tighten the
 rest.
+
+**While admission is not refusing**, each part is read at its median
+(:attr:`SafetyMargin.quiet_quantile`): nobody waits at the edge behind a request then, so
+admitting it risks its own budget only, and it is admitted when it is as likely to meet the
+budget as not.
+
+A wait partly for a seat, where no seat has taught its band (traffic whose waits are seldom
+mostly for a seat), is judged whole by the compute ahead's bands once they know a wait that
+long, not given the seat's prior on its seat part.
 """
 
 from __future__ import annotations
@@ -191,6 +200,12 @@ class Overruns:
             return min((self.prior - 1.0) * predicted_s, ladder)
         return None
 
+    def taught(self, predicted_s: float, budget_s: float) -> bool:
+        """Whether a band up to that of ``predicted_s`` is taught (its caution is learned, not
+        the prior's)."""
+        index = self.band(predicted_s, budget_s)
+        return any(band.high is not None for band in self.bands[: (index or 0) + 1])
+
     def cautious_s(
         self, predicted_s: float, budget_s: float, quantile: float | None = None
     ) -> float:
@@ -242,6 +257,9 @@ class SafetyMargin:
             of that many seen) missed the budget; otherwise each window's own (the 99th).
         overload_share: the share of the predicted wait the caution adds while admission
             refuses (:meth:`overloaded`).
+        quiet_quantile: the quantile the parts' cautions are read at while admission is not
+            refusing (the median: a request is admitted when it is as likely to meet the
+            budget as not; ``None``: as while it refuses).
     """
 
     compute_late: Overruns = attrs.field(factory=lambda: Overruns(1.5))
@@ -259,6 +277,7 @@ class SafetyMargin:
     calm_misses: int = 1
     outcomes: int = 512
     overload_share: float = 0.25
+    quiet_quantile: float | None = 0.5
     _missed: deque[bool] = attrs.field(init=False, factory=deque)
     _misses: int = attrs.field(init=False, default=0)
     _refused_at: float = attrs.field(init=False, default=-math.inf)
@@ -282,12 +301,20 @@ class SafetyMargin:
             return self.calm_quantile
         return None
 
-    @property
-    def caution_quantile(self) -> float:
-        """The quantile the parts' cautions are read at now
-        (``narwhal_admission_caution_quantile``): :attr:`quantile`, else each band's own."""
-        calm = self.quantile
-        return self.compute_late.bands[0].quantile if calm is None else calm
+    def reading(self, overloaded: bool) -> float | None:
+        """The quantile the parts' cautions are read at: :attr:`quiet_quantile` while admission
+        is not refusing (``overloaded`` false), :attr:`quantile` while it is (``None``: each
+        window's own, the 99th percentile)."""
+        if not overloaded and self.quiet_quantile is not None:
+            return self.quiet_quantile
+        return self.quantile
+
+    def caution_quantile(self, *, overloaded: bool = True) -> float:
+        """The quantile the parts' cautions are read at (``narwhal_admission_caution_quantile``,
+        with ``overloaded`` as :meth:`overloaded` says now): :meth:`reading`, else each band's
+        own."""
+        reading = self.reading(overloaded)
+        return self.compute_late.bands[0].quantile if reading is None else reading
 
     @property
     def recent_misses(self) -> int:
@@ -382,11 +409,22 @@ class SafetyMargin:
         # Each part of the wait as late as waits of its kind and length came, beyond its
         # typical; the two err apart (a prefill's speed and neighbours, outputs' lengths), so
         # their cautions add root-sum-square, as the wait's and the own prefill's do.
-        quantile = self.quantile
-        compute_over = max(
-            0.0, self.compute_late.cautious_s(compute_s, budget_s, quantile) - typical_compute
-        )
-        seat_over = max(0.0, self.seat_late.cautious_s(seat_s, budget_s, quantile) - typical_seat)
+        quantile = self.reading(overloaded)
+        seat_unknown = seat_s > 0 and not self.seat_late.taught(seat_s, budget_s)
+        if seat_unknown and self.compute_late.taught(wait_s, budget_s):
+            # No wait for a seat has taught its band (seats seldom hold this traffic's waits),
+            # waits for the compute ahead have: the wait is judged as those were, whole.
+            compute_over = max(
+                0.0, self.compute_late.cautious_s(wait_s, budget_s, quantile) - typical_wait
+            )
+            seat_over = 0.0
+        else:
+            compute_over = max(
+                0.0, self.compute_late.cautious_s(compute_s, budget_s, quantile) - typical_compute
+            )
+            seat_over = max(
+                0.0, self.seat_late.cautious_s(seat_s, budget_s, quantile) - typical_seat
+            )
         wait = max(0.0, math.hypot(compute_over, seat_over), overrun * wait_s - typical_wait)
         own = 0.0
         if not self.waits(wait_s, budget_s):

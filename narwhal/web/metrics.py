@@ -12,6 +12,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, get_args
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -107,11 +108,14 @@ class _RouterCollector(Collector):
             "The 99th percentile of observed over predicted wait, recent admitted requests",
             value=margin.factor,
         )
+        refusing = margin.overloaded(
+            trio.current_time(), self._router.config.admission.ttft_budget_s
+        )
         yield GaugeMetricFamily(
             "narwhal_admission_caution_quantile",
-            "The quantile the caution's parts are read at: 0.95 while what is admitted meets "
-            "the budget, else 0.99",
-            value=margin.caution_quantile,
+            "The quantile the caution's parts are read at: 0.5 while admission is not refusing; "
+            "while it is, 0.95 while what is admitted meets the budget, else 0.99",
+            value=margin.caution_quantile(overloaded=refusing),
         )
         yield GaugeMetricFamily(
             "narwhal_admission_recent_misses",
