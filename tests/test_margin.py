@@ -398,3 +398,20 @@ def test_while_admission_refuses_the_caution_grows_with_the_wait() -> None:
     loaded = margin.caution_s(1.0, 0.1, overloaded=True)
     assert loaded == pytest.approx(calm + 0.25 * 1.0)
     assert margin.caution_s(0.0, 0.1, overloaded=True) == margin.caution_s(0.0, 0.1)
+
+
+def test_a_ticks_own_refusal_does_not_hide_an_earlier_ticks() -> None:
+    """Ticks of requests arriving in one instant, each refusing its tail: the first refusal of
+    a tick must not make the rest of that tick quiet while the tick before it refused within
+    the budget (it did, and every tick of an overload looked quiet after its first refusal)."""
+    margin = quick()
+    margin.refused(10.0)
+    margin.refused(10.0)  # the same tick's tail
+    margin.refused(11.0)  # the next tick's first refusal
+    assert margin.overloaded(11.0, BUDGET)  # the tick of 10.0 still counts
+    margin.refused(11.0)
+    assert margin.overloaded(11.0, BUDGET)
+    assert margin.overloaded(12.5, BUDGET)
+    margin.refused(14.0)  # a tick over a budget after the last: its own refusals do not count
+    assert not margin.overloaded(14.0, BUDGET)
+    assert margin.overloaded(14.001, BUDGET)

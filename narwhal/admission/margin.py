@@ -281,16 +281,21 @@ class SafetyMargin:
     _missed: deque[bool] = attrs.field(init=False, factory=deque)
     _misses: int = attrs.field(init=False, default=0)
     _refused_at: float = attrs.field(init=False, default=-math.inf)
+    _refused_before: float = attrs.field(init=False, default=-math.inf)
 
     def refused(self, now: float) -> None:
         """Admission refused a request as over budget (or, in shadow mode, would have) at
         ``now``; a prompt over the budget alone says nothing of the load and is not told."""
-        self._refused_at = now
+        if now != self._refused_at:  # the last refusal of an earlier instant is kept too
+            self._refused_before = self._refused_at
+            self._refused_at = now
 
     def overloaded(self, now: float, budget_s: float) -> bool:
         """Whether admission is refusing: it refused a request within the last ``budget_s``,
-        before ``now`` (one instant's arrivals, a tick, do not tighten each other)."""
-        return now - budget_s < self._refused_at < now
+        before ``now`` (one instant's arrivals, a tick, do not tighten each other, but a
+        refusal of this instant does not hide one of an earlier instant)."""
+        last = self._refused_at if self._refused_at < now else self._refused_before
+        return now - budget_s < last < now
 
     @property
     def quantile(self) -> float | None:
