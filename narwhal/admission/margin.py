@@ -419,17 +419,11 @@ class SafetyMargin:
         if seat_unknown and self.compute_late.taught(wait_s, budget_s):
             # No wait for a seat has taught its band (seats seldom hold this traffic's waits),
             # waits for the compute ahead have: the wait is judged as those were, whole.
-            compute_over = max(
-                0.0, self.compute_late.cautious_s(wait_s, budget_s, quantile) - typical_wait
-            )
-            seat_over = 0.0
-        else:
-            compute_over = max(
-                0.0, self.compute_late.cautious_s(compute_s, budget_s, quantile) - typical_compute
-            )
-            seat_over = max(
-                0.0, self.seat_late.cautious_s(seat_s, budget_s, quantile) - typical_seat
-            )
+            compute_s, typical_compute, seat_s, typical_seat = wait_s, typical_wait, 0.0, 0.0
+        compute_over = max(
+            0.0, self.compute_late.cautious_s(compute_s, budget_s, quantile) - typical_compute
+        )
+        seat_over = max(0.0, self.seat_late.cautious_s(seat_s, budget_s, quantile) - typical_seat)
         wait = max(0.0, math.hypot(compute_over, seat_over), overrun * wait_s - typical_wait)
         own = 0.0
         if not self.waits(wait_s, budget_s):
