@@ -1360,6 +1360,17 @@ def _false_refusal_check(load: float, false: FalseRefusals | None, bar: Bar) -> 
     )
 
 
+def _goodput_note(run: ReplayFigures) -> str:
+    """Beside the goodput verdict: goodput in requests, and the most any policy could reach of
+    the headline bound (the deadline bound over it) where that is under 100 %: a target above
+    it is out of every policy's reach on this trace and load."""
+    note = f"requests {_pct(run.goodput_ratio)}"
+    ceiling = safe_ratio(run.deadline_engine, run.bound_engine)
+    if ceiling is not None and _pct(ceiling) != _pct(1.0):
+        note += f"; no policy above {_pct(ceiling)} (the deadline bound)"
+    return note
+
+
 def evaluate(
     runs: Sequence[ReplayFigures],
     bar: Bar,
@@ -1384,7 +1395,7 @@ def evaluate(
                 _pct(value),
                 f">= {_pct(bar.goodput_ratio)}",
                 None if other is None else _pct(other.goodput_engine_ratio),
-                None if run is None else f"requests {_pct(run.goodput_ratio)}",
+                None if run is None else _goodput_note(run),
             )
         )
     for load in sorted(bar.in_budget_loads):

@@ -270,7 +270,11 @@ def figures(load: float, mode: str, **values: object) -> ReplayFigures:
         warmup_fraction=0.0,
     )
     # The verdicts' tests count engine work by hand: 0.110 s a request, by arrival.
-    hand = {"goodput_engine": base.goodput_rps * 0.110, "bound_engine": base.bound_rps * 0.110}
+    hand = {
+        "goodput_engine": base.goodput_rps * 0.110,
+        "bound_engine": base.bound_rps * 0.110,
+        "deadline_engine": base.bound_rps * 0.110,
+    }
     return attrs.evolve(base, **{**hand, **values})  # type: ignore[arg-type]
 
 
@@ -286,13 +290,18 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
             placement_pairs=((1.01, 1.0),) * 10,
         ),
         figures(0.5, "open"),
-        figures(2.0, "predictive", in_budget=20),
+        figures(
+            2.0, "predictive", in_budget=20, deadline_engine=0.6 * figures(2.0, "x").bound_engine
+        ),
         figures(2.0, "open"),
     ]
     checks = {check.name: check for check in evaluate(runs, Bar(), memory_added_bytes=50_000_000)}
     good = checks["goodput / bound (engine work) at 0.5x"]
     assert good.passed is True and good.measured == "90.5 %" and good.open_mode == "90.5 %"
     assert good.note == "requests 90.5 %"  # beside it, not checked
+    # Where the deadline bound is under the headline, the note says how far any policy reaches.
+    beyond = checks["goodput / bound (engine work) at 2x"]
+    assert beyond.note == "requests 90.5 %; no policy above 60.0 % (the deadline bound)"
     assert not any("(requests)" in name for name in checks)
     false = checks["false refusals at 0.5x (share of offered)"]
     assert false.passed is True and false.measured == "0.1 %"  # 10 / 1000 refused, 1 in 10 false
