@@ -25,7 +25,10 @@ reads them, get 503 ``router_draining``); every worker gets SIGTERM and drains a
 serve`` does (:mod:`narwhal.server`); they get ``control.drain_deadline_s`` plus
 :data:`EXIT_GRACE_S` to exit, and are then killed (the controller accounts for what a killed
 worker held); then the controller stops. A second signal is passed on to the workers, which
-end their drain at once.
+end their drain at once: as SIGINT, a signal other than the SIGTERM that began it, since two
+copies of one signal that reach a worker before it has read the first are read as one (Trio's
+signal receiver, and the kernel, keep one pending copy of each signal), and a worker slow to
+read them would drain to the deadline instead.
 """
 
 from __future__ import annotations
@@ -372,7 +375,9 @@ async def _stop_workers(
 
             async def hurry() -> None:
                 await shutdown.hurried.wait()
-                workers.signal(signal.SIGTERM)  # a second signal: the workers end their drain
+                # A second signal: the workers end their drain. Not SIGTERM again, which a
+                # worker that has not yet read the first would read as one (module doc).
+                workers.signal(signal.SIGINT)
 
             waiting.start_soon(hurry)
             await workers.wait_stopped()

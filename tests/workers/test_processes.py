@@ -395,6 +395,52 @@ async def test_hypercorns_own_workers_share_one_controller(tmp_path: Path) -> No
             await stop_all(processes)
 
 
+def status_field(pid: int, name: str) -> str:
+    """One field of process ``pid``'s ``/proc/PID/status``."""
+    found = re.search(rf"^{name}:\s*(.*)$", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
+    assert found is not None, name
+    return found.group(1)
+
+
+def pending_signals(pid: int) -> set[int]:
+    """The signals sent to process ``pid`` and not yet delivered (``ShdPnd``)."""
+    mask = int(status_field(pid, "ShdPnd"), 16)
+    return {number + 1 for number in range(64) if mask >> number & 1}
+
+
+async def test_a_second_signal_ends_the_drain_of_workers_that_had_not_read_the_first(
+    pool: Pool,
+) -> None:
+    # Two copies of one signal pending at once are delivered as one: a worker busy enough
+    # not to have read the drain's signal before the hurry's came would drain to the deadline.
+    # Frozen workers make that moment certain.
+    workers = pool.workers()
+    async with trio.open_nursery() as nursery:
+        streams = [
+            *await streams_on(nursery, pool, workers[0], 1, 50_000),
+            *await streams_on(nursery, pool, workers[1], 1, 50_000),
+        ]
+        with paused(workers):
+            with trio.fail_after(10):  # stopped: no signal is delivered until they continue
+                while not all(status_field(pid, "State").startswith("T") for pid in workers):  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            pool.serve.process.send_signal(signal.SIGINT)
+            with trio.fail_after(10):
+                while "SIGINT: shutting down" not in pool.serve.stderr():  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            pool.serve.process.send_signal(signal.SIGINT)
+            with trio.fail_after(10):  # the drain's signal and the hurry's wait for each, apart
+                while not all(len(pending_signals(pid)) == 2 for pid in workers):  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+        with trio.fail_after(DRAIN_S / 2):  # ended at once, not at the drain's deadline
+            code = await pool.serve.process.wait()
+    errors = pool.serve.stderr()
+    assert code == 0, errors
+    for stream in streams:
+        assert stream.payloads[-1] == "[DONE]"
+        assert json.loads(stream.payloads[-2])["error"]["code"] == "shutdown"
+
+
 async def test_a_second_signal_ends_the_workers_streams_in_band_and_exits_0(pool: Pool) -> None:
     workers = pool.workers()
     async with trio.open_nursery() as nursery:
