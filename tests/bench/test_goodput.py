@@ -279,6 +279,7 @@ def figures(load: float, mode: str, **values: object) -> ReplayFigures:
 
 
 def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
+    bound_2x = figures(2.0, "predictive").bound_engine
     runs = [
         figures(
             0.5,
@@ -290,9 +291,7 @@ def test_verdicts_for_predictive_mode_with_open_mode_beside_them() -> None:
             placement_pairs=((1.01, 1.0),) * 10,
         ),
         figures(0.5, "open"),
-        figures(
-            2.0, "predictive", in_budget=20, deadline_engine=0.6 * figures(2.0, "x").bound_engine
-        ),
+        figures(2.0, "predictive", in_budget=20, deadline_engine=0.6 * bound_2x),
         figures(2.0, "open"),
     ]
     checks = {check.name: check for check in evaluate(runs, Bar(), memory_added_bytes=50_000_000)}
