@@ -203,8 +203,7 @@ class Overruns:
     def taught(self, predicted_s: float, budget_s: float) -> bool:
         """Whether a band up to that of ``predicted_s`` is taught (its caution is learned, not
         the prior's)."""
-        index = self.band(predicted_s, budget_s)
-        return any(band.high is not None for band in self.bands[: (index or 0) + 1])
+        return self.over_s(predicted_s, budget_s) is not None
 
     def cautious_s(
         self, predicted_s: float, budget_s: float, quantile: float | None = None
