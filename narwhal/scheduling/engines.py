@@ -538,15 +538,18 @@ class Slot:
         engine.prefill_seen_at = now
         if observed:
             overcommitted = engine.overcommitted
+            # What the placement predicted, with the prompts that joined its step since: the
+            # engine's speed is judged against that (a burst's prompts share steps).
+            predicted = self.predicted_first_token_at + engine.forecast.joined_s(self.key)
             if not overcommitted:
                 engine.observe_ttft(
-                    now - self.placed_at, self.predicted_ttft_s, learned=self.learned_prefill
+                    now - self.placed_at, predicted - self.placed_at, learned=self.learned_prefill
                 )
             engine.forecast.saw_step(now)
             engine.forecast.first_token(
                 self.key,
                 placed_at=self.placed_at,
-                predicted=self.predicted_first_token_at,
+                predicted=predicted,
                 now=now,
                 tokens=self.prompt_tokens,
                 learn=not overcommitted,

@@ -20,9 +20,10 @@ its profile; the engine's drift) and ``latency_s`` is added. The two are fitted 
 normalised least mean squares on ``observed = latency + scale * compute``, so prompts of
 different sizes tell them apart; with one size only, the part that is larger explains more.
 Requests placed behind others teach the scale too, at half the rate: their observed over
-predicted time from placement to first token is how much slower the whole pipeline ran than
-predicted (:meth:`PrefillForecast._learn_busy`), so that a busy engine's speed is learned
-while it is busy. When a first token arrives, the rest of the pipeline moves by as much as
+predicted time from placement to first token (the prediction with what the prompts that joined
+its step later added, :meth:`PrefillForecast.joined_s`) is how much slower the whole pipeline
+ran than predicted (:meth:`PrefillForecast._learn_busy`), so that a busy engine's speed is
+learned while it is busy. When a first token arrives, the rest of the pipeline moves by as much as
 that prompt was late; until it arrives, the pipeline is at least as late as the oldest prompt
 waiting for it is overdue, beyond the step its token may wait for
 (:meth:`PrefillForecast.overdue_s`), so that an engine that turned slower is seen so before its
@@ -80,12 +81,15 @@ class Prefill:
         done: when that compute is predicted done, less the pipeline's shift at placement.
         teaches: ``(profiled compute, wait for the running step)`` while it may teach the
             model (placed on an idle pipeline, and no later prompt shared its step).
+        joined_s: how much later than predicted at placement the prompts placed after it
+            that joined its step make its first token (:meth:`PrefillForecast._revise`).
     """
 
     tokens: int
     compute_s: float
     done: float
     teaches: tuple[float, float] | None = None
+    joined_s: float = 0.0
 
 
 @attrs.define
@@ -386,6 +390,16 @@ class PrefillForecast:
         for placed in self.pending.values():  # the newcomer is not among them yet
             if placed.done + self._shift > ahead.last_step_at:
                 placed.done += delay
+                placed.joined_s += delay
+
+    def joined_s(self, key: int) -> float:
+        """How much later than predicted at placement the placed request ``key`` gets its
+        first token because prompts placed after it joined its step (0 once it has had it,
+        or left): its placement's prediction plus this is what the engine's speed is judged
+        by (:meth:`first_token`, drift), since the prompts that joined it are work the
+        prediction could not know of."""
+        placed = self.pending.get(key)
+        return 0.0 if placed is None else placed.joined_s
 
     def expected_first_token(self, key: int) -> float | None:
         """When the placed request ``key`` is expected to get its first token now: its
@@ -413,6 +427,11 @@ class PrefillForecast:
         The engine serves prefills first come, first served: when this prompt's compute is
         done, so is everything placed before it, and what was placed after it is as late (or
         as early) as it was. The rest of the pipeline moves by that much.
+
+        ``predicted`` is the placement's prediction with what the prompts that joined its step
+        since added (:meth:`joined_s`): a prompt of a burst shares its step with the rest of
+        the burst, placed after it, and its placement's prediction alone would teach that
+        work as the engine's slowness.
         """
         placed = self.pending.pop(key, None)
         if not self.pending:
@@ -459,8 +478,9 @@ class PrefillForecast:
 
     def _learn_busy(self, *, observed: float, predicted: float) -> None:
         """A prompt placed behind others got its first token ``observed`` after placement,
-        where ``predicted`` (the work ahead of it and its own, at the scale of then) was
-        predicted: the pipeline ran that much slower or faster than the scale says.
+        where ``predicted`` (the work ahead of it and its own, at the scale of then, and what
+        the prompts that joined its step since added) was predicted: the pipeline ran that
+        much slower or faster than the scale says.
 
         Its time is not its own (the compute ahead, a neighbour sharing its step), so it
         moves the scale less than a prompt placed on an idle pipeline does, clipped alike
