@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import random
+import statistics
+
 import pytest
 
 from narwhal.scheduling.forecast import PrefillForecast
 from narwhal.scheduling.profiles import PROFILES
+from narwhal.sim import Batcher
 
 H100 = PROFILES["h100-llama3-8b"]
 
@@ -259,3 +263,74 @@ def test_a_placement_behind_an_overdue_head_is_predicted_late_and_cannot_teach()
     free_at = forecast.free_at
     forecast.first_token(head, placed_at=0.0, predicted=first, now=first + 0.5, tokens=4096)
     assert forecast.free_at == pytest.approx(free_at + step)
+
+
+def serve_bursts(
+    forecast: PrefillForecast, bursts: list[tuple[float, list[tuple[int, int]]]]
+) -> list[float]:
+    """Serve ``bursts`` (an instant, and its ``(prompt, output)`` requests, all arriving then) on
+    the simulator's batcher running the forecast's own profile, telling the forecast what the
+    router would (placements, first tokens, output, ends) with the prediction the router
+    judges the engine by; return each first token's observed over that prediction."""
+    batcher = Batcher(forecast.profile)
+    arrivals = [(at, prompt, output) for at, burst in bursts for prompt, output in burst]
+    placed: dict[int, tuple[int, float, float]] = {}  # by sequence id: key, placed at, predicted
+    context: dict[int, int] = {}
+    ratios = []
+    now, next_arrival = 0.0, 0
+
+    def arrive_until(until: float) -> None:
+        nonlocal next_arrival
+        while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= until:
+            at, prompt, output = arrivals[next_arrival]
+            seq = batcher.submit(prompt, output)
+            placed[seq.id] = (*forecast.place(prompt, at), at)
+            next_arrival += 1
+
+    while next_arrival < len(arrivals) or not batcher.idle:
+        step = batcher.next_step()
+        if step is None:  # idle: the next burst starts the next step
+            now = max(now, arrivals[next_arrival][0])
+            arrive_until(now)
+            continue
+        end = now + step.cost_ms / 1000
+        arrive_until(end - 1e-9)  # those that arrive while it runs wait for the next step
+        now = end
+        for seq in batcher.complete(step):
+            if seq.emitted == 1:
+                key, predicted, at = placed.pop(seq.id)
+                predicted += forecast.joined_s(key)
+                forecast.saw_step(now)
+                forecast.first_token(
+                    key, placed_at=at, predicted=predicted, now=now, tokens=seq.prompt_tokens
+                )
+                ratios.append((now - at) / (predicted - at))
+                context[seq.id] = seq.prompt_tokens
+            else:
+                forecast.generated(1)
+            context[seq.id] += 1
+            if seq.state == "finished":
+                forecast.finish_decode(context.pop(seq.id))
+    return ratios
+
+
+def test_an_engine_that_runs_as_its_profile_teaches_a_scale_of_one_through_bursts() -> None:
+    # The simulator's batcher on the router's own profile: the forecast's model of steps,
+    # chunks and prompts sharing steps is what the engine does, so nothing it learns may move
+    # it (by much: the decode batch the steps run beside changes as prompts finish). Judged by
+    # each placement's prediction alone, the prompts of a burst placed after the first made
+    # every earlier one late, and the scale learned 1.28.
+    rng = random.Random(7)
+    bursts = [
+        (
+            at * 4.0,
+            [(rng.randrange(50, 6000), rng.randrange(1, 300)) for _ in range(rng.randrange(5, 25))],
+        )
+        for at in range(60)
+    ]
+    forecast = PrefillForecast(H100)
+    ratios = serve_bursts(forecast, bursts)
+    assert len(ratios) == sum(len(burst) for _, burst in bursts)
+    deciles = statistics.quantiles(ratios, n=10)
+    assert 0.9 < deciles[0] and deciles[-1] < 1.1  # judged by the placement alone: 0.81, 1.54
+    assert forecast.scale == pytest.approx(1.0, abs=0.05)  # by the placement alone: 1.28
