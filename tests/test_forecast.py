@@ -308,7 +308,7 @@ def serve_bursts(
                 context[seq.id] = seq.prompt_tokens
             else:
                 forecast.generated(1)
-            context[seq.id] += 1
+                context[seq.id] += 1
             if seq.state == "finished":
                 forecast.finish_decode(context.pop(seq.id))
     return ratios
