@@ -22,7 +22,7 @@ from narwhal.admission.accounting import Accounting, AccountingStatistics, Ticke
 from narwhal.admission.limits import RetentionLimit, RetentionStatistics
 from narwhal.admission.margin import SafetyMargin
 from narwhal.admission.observer import Decision, Observers, Served, Verdict
-from narwhal.admission.predictor import judge, project
+from narwhal.admission.predictor import Ticks, judge, project
 from narwhal.admission.queue import AdmissionQueue, QueueStatistics, Waiter
 from narwhal.admission.sizing import Sizer, TokenizerCounter
 from narwhal.config import Config, ConfigError
@@ -391,6 +391,7 @@ class Router(RouterBase):
         self.queue = AdmissionQueue(self.pool, admission.queue_limit, self.lengths)
         self.sizer = sizer_for(config)
         self.margin = SafetyMargin()
+        self.ticks = Ticks()
         # The conditions that decide the router's state (narwhal.control.state).
         self.control = ControlState()
         # The watchdog (narwhal.control.watchdog): the one part that sets monitoring-degraded.
@@ -494,6 +495,7 @@ class Router(RouterBase):
                 overrun=self.queue.overrun(now, self.margin.floor_share * budget),
                 budget_s=budget,
                 overloaded=self.margin.overloaded(now, budget),
+                joiners=self.ticks.arrive(now),
             )
             serviceable = projection is not None
             if projection is not None:

@@ -50,6 +50,30 @@ def test_a_prompt_that_joins_a_step_delays_the_prompts_already_in_it() -> None:
     assert second - first == pytest.approx(H100.prefill_chunk_ms(0, 1024) / 1000)
 
 
+def test_the_share_of_a_step_s_room_that_later_prompts_take_is_learned() -> None:
+    forecast = PrefillForecast(H100, prefill_limit=4)
+    key, first = forecast.place(1024, now=0.0)
+    room = (8192 - 1024) * H100.prefill_per_token_ms / 1000  # idle: the whole budget is free
+    assert forecast.room_s(forecast.pipeline) == pytest.approx(room)
+    forecast.place(2048, now=0.0)  # joins its step
+    joined = H100.prefill_chunk_ms(0, 2048) / 1000
+    forecast.first_token(key, placed_at=0.0, predicted=first + joined, now=1.0, tokens=1024)
+    assert forecast.fill == pytest.approx(0.05 * joined / room)
+    # A prompt nobody joins teaches that its room stayed empty.
+    forecast = PrefillForecast(H100, prefill_limit=4, fill=0.5)
+    key, first = forecast.place(1024, now=0.0)
+    forecast.first_token(key, placed_at=0.0, predicted=first, now=1.0, tokens=1024)
+    assert forecast.fill == pytest.approx(0.5 * 0.95)
+
+
+def test_a_step_full_of_prompts_has_no_room_to_expect_joiners_in() -> None:
+    forecast = PrefillForecast(H100, prefill_limit=2, fill=1.0)
+    forecast.place(1024, now=0.0)
+    forecast.place(1024, now=0.0)  # the step holds prefill_limit prompts
+    assert forecast.room_s(forecast.pipeline) == 0.0
+    assert forecast.joining_s(forecast.pipeline) == 0.0
+
+
 def test_a_prompt_that_spills_past_a_step_delays_it_by_its_share_only() -> None:
     forecast = PrefillForecast(H100, decoding=10, decode_context=10_000)
     key_a, first = forecast.place(8000, now=0.0)  # 182 tokens of the step's budget are left

@@ -9,7 +9,7 @@ import pytest
 
 from narwhal.admission.margin import Overruns, SafetyMargin
 from narwhal.admission.plan import Plan
-from narwhal.admission.predictor import Projection, project
+from narwhal.admission.predictor import Projection, Ticks, project
 from narwhal.admission.queue import Waiter
 from narwhal.config import EngineConfig
 from narwhal.scheduling.engines import Engine, Slot
@@ -134,6 +134,49 @@ def test_prompts_that_fit_one_step_share_it() -> None:
     projection = _project(engine, [_waiter() for _ in range(7)])
     step = H100.decode_step_ms(100, 100_000)
     assert projection.ttft_s * 1000 == pytest.approx(8 * H100.prefill_chunk_ms(0, 1000) + step)
+
+
+def test_a_request_in_a_tick_expects_those_behind_it_to_join_its_step() -> None:
+    # Engines learn how much of a prompt's step the prompts placed after it fill (here half);
+    # a request that arrives in a tick expects as much: its step ends that much later.
+    engine = _engine(decode_limit=8)
+    engine.forecast.fill = 0.5
+    alone = _project(engine)
+    in_tick = _project(engine, joiners=1.0)
+    room = (8192 - 1000) * H100.prefill_per_token_ms / 1000
+    assert in_tick.own_prefill_s == pytest.approx(alone.own_prefill_s + 0.5 * room)
+    assert in_tick.wait_s == alone.wait_s
+    # With a chance of one in four that any come, a quarter of that.
+    assert _project(engine, joiners=0.25).ttft_s == pytest.approx(alone.ttft_s + 0.125 * room)
+    assert _project(engine, joiners=0.0) == alone
+
+
+def test_the_head_of_a_tick_is_projected_at_the_end_of_the_step_the_tick_shares() -> None:
+    # Four prompts arrive in one instant and share one step. With the fill learned from such
+    # ticks (all of the room: 1.0), the first is projected when that step ends, as the
+    # forecast revises it once the other three have joined; without, at its own prefill's end.
+    engine = _engine(decode_limit=8)
+    forecast = engine.forecast
+    forecast.fill = 1.0
+    sizes = [1000, 2400, 2400, 2392]  # 8,192 tokens: the step's whole budget
+    head = _project(engine, request=_waiter(sizes[0]), joiners=1.0)
+    key, _ = forecast.place(sizes[0], now=0.0)
+    for tokens in sizes[1:]:
+        forecast.place(tokens, now=0.0)
+    revised = forecast.expected_first_token(key)
+    assert revised is not None
+    quadratic = H100.prefill_quadratic_ms * (sum(t * t for t in sizes[1:])) / 1000
+    assert head.ttft_s == pytest.approx(revised - quadratic)  # the room is priced linearly
+    assert _project(_engine(decode_limit=8), request=_waiter(sizes[0])).ttft_s < revised / 2
+
+
+def test_ticks_tell_how_likely_more_requests_arrive_in_the_same_instant() -> None:
+    ticks = Ticks()
+    assert ticks.arrive(0.0) == 0.0  # nothing learned yet
+    assert ticks.arrive(0.0) == 1.0  # a second one in the instant: a tick, more may follow
+    assert ticks.arrive(1.0) == pytest.approx(0.05)  # the instant before held two
+    assert ticks.arrive(2.0) == pytest.approx(0.05 * 0.95)  # and the one before that, one
+    assert ticks.share == pytest.approx(0.05 * 0.95)
 
 
 def test_a_prompt_past_the_step_budget_pays_another_step() -> None:

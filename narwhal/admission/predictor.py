@@ -37,7 +37,9 @@ from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.engines import Engine
 from narwhal.scheduling.lengths import OutputLengths
 
-__all__ = ["Projection", "check_budget", "judge", "project"]
+__all__ = ["Projection", "Ticks", "check_budget", "judge", "project"]
+
+_TICK_RATE = 0.05  # how far one instant moves the learned share of instants with several arrivals
 
 
 @attrs.frozen
@@ -72,6 +74,36 @@ class Projection:
     seat_s: float = 0.0
 
 
+@attrs.define
+class Ticks:
+    """How often requests arrive in ticks: several in the same instant.
+
+    Prompts placed on an engine in the same instant share its next prefill step, and a
+    prompt's first token comes when that step ends: later with every prompt that joins it
+    after it. When a request arrives, those behind it in its tick have not: its projection
+    expects them with the chance :meth:`arrive` gives
+    (:meth:`~narwhal.scheduling.forecast.PrefillForecast.joining_s`).
+
+    Attributes:
+        share: the share of recent instants that held more than one arrival (a moving
+            average that each instant moves 5 % of the way).
+    """
+
+    share: float = 0.0
+    _at: float = -math.inf
+    _count: int = 0
+
+    def arrive(self, now: float) -> float:
+        """A request arrives ``now``: the chance that more will arrive after it in this
+        instant. One when one already did (it is in a tick), else the learned share."""
+        if now != self._at:
+            if self._count:
+                self.share += _TICK_RATE * ((self._count > 1) - self.share)
+            self._at, self._count = now, 0
+        self._count += 1
+        return 1.0 if self._count > 1 else self.share
+
+
 def project(
     engines: Iterable[Engine],
     ahead: Sequence[Waiter],
@@ -87,6 +119,7 @@ def project(
     overrun: float = 0.0,
     budget_s: float = 2.0,
     overloaded: bool = False,
+    joiners: float = 0.0,
 ) -> Projection | None:
     """Project the TTFT of a request arriving now; ``None`` when no engine could serve it.
 
@@ -109,6 +142,10 @@ def project(
         overloaded: admission is refusing
             (:meth:`~narwhal.admission.margin.SafetyMargin.overloaded`): the caution grows
             with the wait.
+        joiners: the chance that requests arriving after it in its instant will join its
+            prefill step (:meth:`Ticks.arrive`): its first token is expected that much of
+            the learned fill of its step's room later
+            (:meth:`~narwhal.scheduling.forecast.PrefillForecast.joining_s`).
     """
     engines = list(engines)
     over = beyond_context(engines, request.prompt_tokens, request.need_token_ids)
@@ -124,6 +161,12 @@ def project(
     if choice is None:
         return None
     chosen, first_token_at = choice
+    if joiners > 0:
+        forecast = chosen.forecast
+        after = forecast.after(
+            request.prompt_tokens, chosen.placement(), chosen.backlog, chosen.decoding
+        )
+        first_token_at += forecast.joining_s(after, chosen.decoding, chance=joiners)
     start = chosen.start()
     seat_s = min(chosen.seat_wait(), start - now)
     tokens = request.prompt_tokens

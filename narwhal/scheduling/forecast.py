@@ -42,6 +42,7 @@ from narwhal.scheduling.profiles import EngineProfile
 __all__ = ["Backlog", "Prefill", "PrefillForecast"]
 
 _LEARNING_RATE = 0.2
+_FILL_RATE = 0.05  # how far one placed prompt moves the learned fill of its last step
 _BUSY_LEARNING_RATE = 0.1  # a prompt placed behind others: its time is partly theirs
 _DECODE_MEMORY_S = 2.0  # the decode scale's memory: about this many seconds of the engine's gaps
 _DECODE_RATE_MAX = 0.2  # the most one gap moves it (a lone stream's long gap)
@@ -83,6 +84,9 @@ class Prefill:
             model (placed on an idle pipeline, and no later prompt shared its step).
         joined_s: how much later than predicted at placement the prompts placed after it
             that joined its step make its first token (:meth:`PrefillForecast._revise`).
+        room_s: the compute its last step still had room for when it was placed
+            (:meth:`PrefillForecast.room_s`): the most that prompts placed after it could add
+            to it by joining.
     """
 
     tokens: int
@@ -90,6 +94,7 @@ class Prefill:
     done: float
     teaches: tuple[float, float] | None = None
     joined_s: float = 0.0
+    room_s: float = 0.0
 
 
 @attrs.define
@@ -117,6 +122,10 @@ class PrefillForecast:
             profiling's decode probes at several batch sizes (:meth:`decode_step_s`).
         decoding: requests past their first token.
         decode_context: context tokens (prompt and output so far) of the decoding requests.
+        fill: the share of the room left in a placed prompt's last step that prompts placed
+            after it took by joining it, learned (a moving average that each placed prompt
+            moves 5 % of the way): what a projection expects of a prompt's neighbours in a
+            tick (:meth:`joining_s`).
     """
 
     profile: EngineProfile
@@ -131,6 +140,7 @@ class PrefillForecast:
     pending: dict[int, Prefill] = attrs.field(factory=dict)
     decoding: int = 0
     decode_context: int = 0
+    fill: float = 0.0
     _keys: int = 0
     _rate: float = 0.0  # see _token_rate
     _rate_at: float = 0.0
@@ -302,6 +312,26 @@ class PrefillForecast:
         # The steps it adds hold its own tokens only: what was ahead ends in the steps before.
         return Backlog(free_at, total, last_step_at, 1), compute_s, wait_s
 
+    def room_s(self, backlog: Backlog, batch: tuple[int, int] | None = None) -> float:
+        """The prompt compute the last step of ``backlog`` still has room for: its token budget
+        beside ``batch`` (default: the decoding batch now) less the tokens it holds, at the
+        learned speed; 0 when it holds ``prefill_limit`` prompts already."""
+        if backlog.prompts >= self.prefill_limit:
+            return 0.0
+        budget = self._token_budget(self.decoding if batch is None else batch[0])
+        room = -(-backlog.tokens // budget) * budget - backlog.tokens
+        return room * self.profile.prefill_per_token_ms / 1000 * self.scale
+
+    def joining_s(
+        self, backlog: Backlog, batch: tuple[int, int] | None = None, *, chance: float = 1.0
+    ) -> float:
+        """How much later a prompt whose placement left ``backlog`` is expected to get its
+        first token for the prompts that will join its last step, with ``chance`` that any
+        come: the learned :attr:`fill` of the room left (:meth:`room_s`)."""
+        if chance <= 0 or self.fill <= 0:
+            return 0.0
+        return chance * self.fill * self.room_s(backlog, batch)
+
     def _token_rate(self, now: float) -> float:
         """Prompt tokens placed here per second, recently (a one-second moving average)."""
         return self._rate * math.exp(self._rate_at - now) if now > self._rate_at else self._rate
@@ -370,6 +400,7 @@ class PrefillForecast:
             self.free_at - start,
             self.free_at - self._shift,
             (compute_s, wait_s) if idle else None,
+            room_s=self.room_s(self.pipeline),
         )
         return key, self.free_at + self.latency_s
 
@@ -442,6 +473,9 @@ class PrefillForecast:
             self.pipeline = self._pipeline_later(late, floor=now)
         self.decoding += 1
         self.decode_context += tokens
+        if placed is not None and placed.room_s > 0:
+            taken = min(1.0, placed.joined_s / placed.room_s)
+            self.fill += _FILL_RATE * (taken - self.fill)
         if placed is None or not learn:
             return
         if placed.teaches is not None:
