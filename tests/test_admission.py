@@ -346,6 +346,7 @@ async def test_metrics_show_queue_retention_and_occupancy(
     # Admission is not refusing: the cautions are read at the median.
     assert "narwhal_admission_caution_quantile 0.5" in text
     assert "narwhal_admission_recent_misses 0.0" in text
+    assert "narwhal_admission_tick_share 0.0" in text  # no instant of several has passed
 
 
 def test_serving_config_keeps_its_defaults() -> None:

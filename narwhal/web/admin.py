@@ -153,6 +153,7 @@ def _engine_json(engine: Engine) -> dict[str, Any]:
             "latency_s": round(stats.latency_s, 6),
             "decode_scale": round(stats.decode_scale, 4),
             "decode_slope": round(engine.forecast.decode_slope, 4),
+            "step_fill": round(engine.forecast.fill, 4),
             "profiled_prefill_scale": round(engine.profiled_scale, 4),
             "profiled_decode_scale": round(engine.profiled_decode_scale, 4),
             "capacity_rps": round(capacity_rps(engine), 3),

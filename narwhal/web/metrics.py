@@ -122,6 +122,12 @@ class _RouterCollector(Collector):
             "Of the last 512 admitted requests, those whose first token missed the budget",
             value=margin.recent_misses,
         )
+        yield GaugeMetricFamily(
+            "narwhal_admission_tick_share",
+            "The share of recent instants that held more than one arrival: the chance a "
+            "projection gives that the requests behind it in its instant join its step",
+            value=self._router.ticks.share,
+        )
         yield from _monitoring(self._router, stats.engines)
         yield from _control(self._router, stats.state)
 

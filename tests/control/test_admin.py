@@ -207,6 +207,7 @@ async def test_the_engine_listing(
         "latency_s": round(engine.forecast.latency_s, 6),
         "decode_scale": round(engine.forecast.decode_scale, 4),
         "decode_slope": round(engine.forecast.decode_slope, 4),
+        "step_fill": round(engine.forecast.fill, 4),
         "profiled_prefill_scale": round(engine.profiled_scale, 4),
         "profiled_decode_scale": round(engine.profiled_decode_scale, 4),
         "capacity_rps": pytest.approx(listing["capacity"]["total_rps"] / 2, rel=0.2),
