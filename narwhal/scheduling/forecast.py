@@ -318,9 +318,14 @@ class PrefillForecast:
         learned speed; 0 when it holds ``prefill_limit`` prompts already."""
         if backlog.prompts >= self.prefill_limit:
             return 0.0
-        budget = self._token_budget(self.decoding if batch is None else batch[0])
-        room = -(-backlog.tokens // budget) * budget - backlog.tokens
+        room = self._room_tokens(backlog, self.decoding if batch is None else batch[0])
         return room * self.profile.prefill_per_token_ms / 1000 * self.scale
+
+    def _room_tokens(self, backlog: Backlog, decoding: int) -> int:
+        """The prompt tokens the last step of ``backlog`` still has room for beside
+        ``decoding`` sequences."""
+        budget = self._token_budget(decoding)
+        return -(-backlog.tokens // budget) * budget - backlog.tokens
 
     def joining_s(
         self, backlog: Backlog, batch: tuple[int, int] | None = None, *, chance: float = 1.0
@@ -413,8 +418,7 @@ class PrefillForecast:
         if self.pipeline.last_step_at == ahead.last_step_at:  # it added no step
             delay = self.pipeline.free_at - ahead.free_at
         else:
-            budget = self._token_budget(self.decoding)
-            room = -(-ahead.tokens // budget) * budget - ahead.tokens
+            room = self._room_tokens(ahead, self.decoding)
             delay = self.profile.prefill_per_token_ms * min(tokens, room) / 1000 * self.scale
         if delay <= 0:
             return
