@@ -19,6 +19,7 @@ import httpx
 import trio
 
 from narwhal.admission.accounting import Accounting, AccountingStatistics, Ticket
+from narwhal.admission.instants import Instants, Turn
 from narwhal.admission.limits import RetentionLimit, RetentionStatistics
 from narwhal.admission.margin import SafetyMargin
 from narwhal.admission.observer import Decision, Observers, Served, Verdict
@@ -392,6 +393,7 @@ class Router(RouterBase):
         self.sizer = sizer_for(config)
         self.margin = SafetyMargin()
         self.ticks = Ticks()
+        self.instants = Instants()
         # The conditions that decide the router's state (narwhal.control.state).
         self.control = ControlState()
         # The watchdog (narwhal.control.watchdog): the one part that sets monitoring-degraded.
@@ -446,29 +448,46 @@ class Router(RouterBase):
     async def placement(
         self, ticket: Ticket, waiter: Waiter, arrival: float
     ) -> AsyncIterator[Placed]:
-        decision = self.decide(waiter, arrival, ticket.request_id)
-        projection = decision.projection
-        teach = None
-        if projection is not None:  # the margin learns how the projection fared (shadow too)
-            teach = partial(
-                self.margin.observe,
-                projection.fixed_s,
-                projection.wait_s,
-                projection.own_prefill_s,
-                budget_s=decision.budget_s,
-                seat_s=projection.seat_s,
-            )
-        async with self.queue.placement(waiter, self.config.admission.admission_wait_s) as slot:
-            self.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
-            yield Placed(slot, decision, teach)
+        # A projection is decided in turn with the requests of its instant, knowing those
+        # behind it (open mode projects nothing); the turn ends once the request is queued or
+        # placed, or however it ends before.
+        turn = None
+        if self.config.admission.mode != "open":
+            turn = await self.instants.arrive(waiter)
+        try:
+            decision = self.decide(waiter, arrival, ticket.request_id, turn=turn)
+            projection = decision.projection
+            teach = None
+            if projection is not None:  # the margin learns how the projection fared (shadow too)
+                teach = partial(
+                    self.margin.observe,
+                    projection.fixed_s,
+                    projection.wait_s,
+                    projection.own_prefill_s,
+                    budget_s=decision.budget_s,
+                    seat_s=projection.seat_s,
+                )
+            wait_s = self.config.admission.admission_wait_s
+            queued = None if turn is None else turn.done
+            async with self.queue.placement(waiter, wait_s, queued=queued) as slot:
+                self.metrics.queue_wait.observe(trio.current_time() - waiter.enqueued_at)
+                yield Placed(slot, decision, teach)
+        finally:
+            if turn is not None:
+                turn.done()
 
-    def decide(self, waiter: Waiter, arrival: float, request_id: str = "") -> Decision:
+    def decide(
+        self, waiter: Waiter, arrival: float, request_id: str = "", *, turn: Turn | None = None
+    ) -> Decision:
         """Decide on a sized request, tell the observers what and why, then apply it.
 
         ``open`` mode projects nothing; ``predictive`` and ``shadow`` project the request's
         TTFT and judge it against the budget, and only ``predictive`` refuses (unless the
         router's ``exempt`` hook lets this request through): ``shadow`` records the would-be
         refusal and admits the request, as ``open`` mode does.
+
+        ``turn``: its turn in its instant (:mod:`narwhal.admission.instants`): the requests
+        that arrived after it in the same instant are walked in its projection.
 
         Raises:
             PredictiveRefusal: predictive mode refuses the request.
@@ -481,6 +500,12 @@ class Router(RouterBase):
             serviceable = self.pool.any_eligible(need_token_ids=waiter.need_token_ids)
         else:
             now = trio.current_time()
+            # The rest of its instant has been read (its turn): those behind it are walked. A
+            # request alone in its instant expects the learned share of ticks' joiners.
+            chance = self.ticks.arrive(now)
+            if turn is not None and not turn.alone:
+                chance = 0.0
+            behind = turn.behind if turn is not None else []
             projection = project(
                 self.pool,
                 (),  # the queue's plan has walked every waiting request
@@ -495,7 +520,8 @@ class Router(RouterBase):
                 overrun=self.queue.overrun(now, self.margin.floor_share * budget),
                 budget_s=budget,
                 overloaded=self.margin.overloaded(now, budget),
-                joiners=self.ticks.arrive(now),
+                joiners=chance,
+                behind=behind,
             )
             serviceable = projection is not None
             if projection is not None:

@@ -242,3 +242,41 @@ def test_a_request_that_waits_for_nothing_gets_no_caution_on_a_wait() -> None:
     projection = _project(engine, overhead_s=0.005, margin=margin)
     assert projection.wait_s == 0.0
     assert projection.ttft_s == projection.typical_s
+
+
+def test_the_head_of_a_tick_knows_the_requests_behind_it_that_join_its_step() -> None:
+    # Four prompts arrive in one instant and share one step: the first, knowing the three
+    # behind it, is projected when that step ends, each of them adding its own compute to
+    # it; nothing learned of ticks is needed for it.
+    sizes = [1000, 2400, 2400, 2000]  # within one step's budget
+    engine = _engine(decode_limit=8)
+    plan = Plan([engine], OutputLengths(), now=0.0)
+    before = plan.engines[0].backlog
+    behind = [_waiter(tokens) for tokens in sizes[1:]]
+    head = _project(engine, request=_waiter(sizes[0]), behind=behind, plan=plan)
+    alone = _project(engine, request=_waiter(sizes[0]))
+    joined = sum(H100.prefill_chunk_ms(0, tokens) for tokens in sizes[1:]) / 1000
+    assert head.ttft_s == pytest.approx(alone.ttft_s + joined)
+    assert plan.engines[0].backlog == before  # they were walked on a copy of the plan
+
+
+def test_requests_behind_that_add_steps_delay_the_head_by_what_fits_in_its_step() -> None:
+    # A long prompt behind fills the rest of the head's step and goes on in steps of its own:
+    # the head waits for its step's room only, not for the long prompt's other steps.
+    engine = _engine(decode_limit=8)
+    head = _project(engine, request=_waiter(1000), behind=[_waiter(20_000)])
+    alone = _project(engine, request=_waiter(1000))
+    # The step's budget beside the one sequence placed (the head, which decodes next).
+    room = H100.max_num_batched_tokens - 1 - 1000
+    assert head.ttft_s == pytest.approx(alone.ttft_s + H100.prefill_per_token_ms * room / 1000)
+
+
+def test_a_request_behind_whose_own_first_token_is_past_the_budget_is_not_walked() -> None:
+    engine = _engine(decode_limit=8)
+    alone = _project(engine, request=_waiter(1000))
+    # 7,000 tokens behind it, in its step; with a budget under their own prefill, they are
+    # taken to be refused and do not join it.
+    joined = _project(engine, request=_waiter(1000), behind=[_waiter(7000)])
+    refused = _project(engine, request=_waiter(1000), behind=[_waiter(7000)], budget_s=0.1)
+    assert joined.ttft_s > alone.ttft_s
+    assert refused.ttft_s == alone.ttft_s

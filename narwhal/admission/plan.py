@@ -86,6 +86,18 @@ class _Ends:
         self._taken = 0
         self._next: float | None = None  # next(), until a seat is taken
 
+    def copy(self) -> _Ends:
+        """The sweep as it stands, to go on apart."""
+        twin = _Ends.__new__(_Ends)
+        twin._tpot_s = self._tpot_s
+        twin._knots = list(self._knots)
+        twin._time = self._time
+        twin._freed = self._freed
+        twin._slope = self._slope
+        twin._taken = self._taken
+        twin._next = self._next
+        return twin
+
     def next(self) -> float:
         """When the next seat frees (``inf`` when the running requests cannot free one)."""
         if self._next is not None:
@@ -219,6 +231,16 @@ class EnginePlan:
         self.prefill_free.extend([now] * max(0, engine.prefill_limit - len(self.prefill_free)))
         heapq.heapify(self.prefill_free)
         self._at: float | None = None  # placement(), until the plan here changes
+
+    def copy(self) -> EnginePlan:
+        """This engine's plan as it stands, to be walked apart (a hypothetical walk)."""
+        twin = EnginePlan.__new__(EnginePlan)
+        for name in EnginePlan.__slots__:
+            setattr(twin, name, getattr(self, name))
+        twin.placed = list(self.placed)
+        twin.prefill_free = list(self.prefill_free)
+        twin._ends = None if self._ends is None else self._ends.copy()
+        return twin
 
     def serves(self, tokens: int, need_token_ids: bool) -> bool:
         """Whether the engine can take such a request, as it was when the plan was made: its
@@ -410,6 +432,13 @@ class Plan:
             if best is None or key < best_key:
                 best, best_key, best_first = plan, key, first
         return None if best is None else (best, best_first)
+
+    def copy(self) -> Plan:
+        """The plan as it stands, to be walked apart: walking the copy leaves it as it is."""
+        twin = Plan.__new__(Plan)
+        twin.built_at, twin.now, twin.tpot_target_s = self.built_at, self.now, self.tpot_target_s
+        twin.engines = [plan.copy() for plan in self.engines]
+        return twin
 
     def place(self, waiter: Waiter) -> tuple[EnginePlan, float] | None:
         """Choose ``waiter``'s engine and take its place there in the plan.

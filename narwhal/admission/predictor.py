@@ -31,13 +31,13 @@ import attrs
 
 from narwhal.admission.context import beyond_context, placed_size
 from narwhal.admission.margin import SafetyMargin
-from narwhal.admission.plan import Plan
+from narwhal.admission.plan import EnginePlan, Plan
 from narwhal.admission.queue import Waiter
 from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.engines import Engine
 from narwhal.scheduling.lengths import OutputLengths
 
-__all__ = ["Projection", "Ticks", "check_budget", "judge", "project"]
+__all__ = ["Projection", "Ticks", "check_budget", "joined_by", "judge", "project"]
 
 _TICK_RATE = 0.05  # how far one instant moves the learned share of instants with several arrivals
 
@@ -120,6 +120,7 @@ def project(
     budget_s: float = 2.0,
     overloaded: bool = False,
     joiners: float = 0.0,
+    behind: Sequence[Waiter] = (),
 ) -> Projection | None:
     """Project the TTFT of a request arriving now; ``None`` when no engine could serve it.
 
@@ -146,6 +147,10 @@ def project(
             prefill step (:meth:`Ticks.arrive`): its first token is expected that much of
             the learned fill of its step's room later
             (:meth:`~narwhal.scheduling.forecast.PrefillForecast.joining_s`).
+        behind: the requests that arrived after it in its instant
+            (:class:`~narwhal.admission.instants.Turn`): the rule is walked over them too, on
+            a copy of the plan, and its first token is as late as those that join its last
+            prefill step make it (:func:`joined_by`); ``joiners`` then plays no part.
     """
     engines = list(engines)
     over = beyond_context(engines, request.prompt_tokens, request.need_token_ids)
@@ -161,7 +166,9 @@ def project(
     if choice is None:
         return None
     chosen, first_token_at = choice
-    if joiners > 0:
+    if behind:
+        first_token_at += joined_by(plan, chosen, request, behind, budget_s=budget_s)
+    elif joiners > 0:
         forecast = chosen.forecast
         after = forecast.after(
             request.prompt_tokens, chosen.placement(), chosen.backlog, chosen.decoding
@@ -187,6 +194,56 @@ def project(
         seat_s=seat_s,
         overloaded=overloaded,
     )
+
+
+def joined_by(
+    plan: Plan,
+    chosen: EnginePlan,
+    request: Waiter,
+    behind: Sequence[Waiter],
+    *,
+    budget_s: float = math.inf,
+) -> float:
+    """How much later ``request``'s first token comes, placed next on ``chosen``, for the
+    requests ``behind`` it that join its last prefill step: the rule walked over it and them on
+    a copy of ``plan`` (the plan itself is left as it is). Those whose own first token, so
+    walked, is past ``budget_s`` are taken to be refused, and join nothing.
+
+    A prompt placed on an engine while the step holding the end of another's prefill has not
+    started shares that step, and the step ends later: by what the joiner adds to it when it
+    adds no step of its own, else by the compute of its tokens that fit in the step's room (as
+    the forecast revises a placed prompt, :meth:`~narwhal.scheduling.forecast.PrefillForecast.
+    place`). Steps it adds after the request's own do not delay it: the engine prefills first
+    come, first served.
+    """
+    walk = plan.copy()
+    mine = walk.engines[plan.engines.index(chosen)]
+    mine.take(request)
+    forecast = mine.forecast
+    own = mine.backlog
+    end = own.free_at
+    now = walk.now
+    for waiter in behind:
+        chosen_timed = walk.choose_timed(waiter)
+        if chosen_timed is None:
+            continue
+        where, first = chosen_timed
+        if first - now > budget_s:
+            continue  # its own first token is past the budget: it is to be refused
+        if where is not mine:
+            where.take(waiter)
+            continue
+        before, batch = mine.backlog, mine.decoding
+        mine.take(waiter)
+        after = mine.backlog
+        if after.tokens <= waiter.prompt_tokens or end <= before.last_step_at:
+            continue  # it did not join the step the request's prefill ends in
+        if after.last_step_at == before.last_step_at:  # it added no step: the step is longer
+            end += after.free_at - before.free_at
+        else:  # its tokens that fit in the room left
+            tokens_s = forecast.profile.prefill_per_token_ms * waiter.prompt_tokens / 1000
+            end += min(forecast.room_s(before, batch), tokens_s * forecast.scale)
+    return end - own.free_at
 
 
 def _projection(

@@ -33,7 +33,7 @@ everyone behind it.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -238,11 +238,14 @@ class AdmissionQueue:
         return _take(engine, waiter, placed_size(engine, waiter.prompt_tokens))
 
     @asynccontextmanager
-    async def placement(self, waiter: Waiter, wait_s: float) -> AsyncIterator[Slot]:
+    async def placement(
+        self, waiter: Waiter, wait_s: float, *, queued: Callable[[], None] | None = None
+    ) -> AsyncIterator[Slot]:
         """The request's slot while the block runs, given back at exit however it ends.
 
         Places at once when nobody waits and an engine has room, else queues and waits at most
-        ``wait_s`` for the dispatcher.
+        ``wait_s`` for the dispatcher. ``queued`` is called once the request is placed or
+        queued, before any wait (its turn in its instant ends: :mod:`narwhal.admission.instants`).
 
         Raises:
             CapacityRejection: the queue is full.
@@ -255,7 +258,11 @@ class AdmissionQueue:
         slot = self.place_now(waiter)
         if slot is None:
             self.enqueue(waiter)
+            if queued is not None:
+                queued()
             slot = await self.wait_for_placement(waiter, wait_s)
+        elif queued is not None:
+            queued()
         with slot:
             yield slot
 
