@@ -3,7 +3,8 @@
 The projection is what the request would see if admitted now: the dispatcher's own rule
 (:class:`~narwhal.admission.plan.Plan`) replayed over the requests queued before it, then over
 the request itself: a seat on the engine where its first token comes earliest, a prefill slot,
-the prefills ahead of it in that engine's pipeline, its own prefill; plus the time already
+the prefills ahead of it in that engine's pipeline, its own prefill, later by what the requests
+behind it in its instant add to its prefill step (:func:`joined_by`); plus the time already
 spent in the router and ``frontend_overhead_s``.
 
 That is the typical first token. Admission decides on it plus the learned caution
