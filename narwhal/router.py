@@ -453,7 +453,8 @@ class Router(RouterBase):
         # placed, or however it ends before.
         turn = None
         if self.config.admission.mode != "open":
-            turn = await self.instants.arrive(waiter)
+            expect = self.ticks.share > 0  # no tick seen lately: no wait for one
+            turn = await self.instants.arrive(waiter, expect_company=expect)
         try:
             decision = self.decide(waiter, arrival, ticket.request_id, turn=turn)
             projection = decision.projection

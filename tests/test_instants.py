@@ -97,3 +97,31 @@ async def test_a_request_that_gives_up_its_turn_does_not_hold_those_behind(
             await third_decided.wait()
             assert trio.current_time() == 1.0  # as soon as the first is done
             assert set(turns) == {0, 2}
+
+
+async def test_a_request_takes_its_turn_at_once_while_no_tick_is_expected(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # No tick seen lately: the first of an instant does not let the event loop run (real
+    # traffic pays nothing); a second of the same instant still reads on and waits its turn.
+    instants = Instants()
+    first, second = _waiters(2)
+    ran: list[str] = []
+    later: list[Turn] = []
+
+    async def other() -> None:
+        ran.append("other")
+
+    async def arrive_second() -> None:
+        later.append(await instants.arrive(second, expect_company=False))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        turn = await instants.arrive(first, expect_company=False)
+        assert ran == []  # the event loop did not run
+        nursery.start_soon(arrive_second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert later == [] and turn.behind == [second]  # it waits for the first's turn
+        turn.done()
+    assert len(later) == 1 and later[0].behind == []
+    assert trio.current_time() == 0.0

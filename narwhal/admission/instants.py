@@ -19,8 +19,13 @@ clock's time when it reaches admission, :meth:`Instants.arrive`) before admissio
 
 Its turn ends (:meth:`Turn.done`) once it is queued or placed, and however it ends before: a
 request cancelled or refused while it waits or decides gives its turn up, and the requests
-behind it never wait on it. A request alone in its instant, as real traffic's requests are
-(their arrival times differ by microseconds at least), costs two passes of the event loop.
+behind it never wait on it.
+
+A request that finds its instant empty reads on only while ticks are expected (the router's
+learned share of instants that held several requests, :class:`~narwhal.admission.predictor.
+Ticks`, is above 0): real traffic's arrival times differ by microseconds at least, no two share
+an instant, and its requests take their turns at once, at no cost. A request that finds others
+of its instant before it always reads on.
 """
 
 from __future__ import annotations
@@ -93,8 +98,12 @@ class Instants:
     def __init__(self) -> None:
         self._current: _Instant | None = None
 
-    async def arrive(self, waiter: Waiter) -> Turn:
+    async def arrive(self, waiter: Waiter, *, expect_company: bool = True) -> Turn:
         """Join the current instant and wait for this request's turn.
+
+        ``expect_company`` false (no instant has held several requests lately): a request that
+        finds its instant empty takes its turn at once, without letting the event loop run;
+        one that finds others of its instant before it reads on and waits all the same.
 
         The caller must end the turn (:meth:`Turn.done`) however it goes on, in a ``finally``:
         a cancellation while waiting ends it here.
@@ -106,6 +115,8 @@ class Instants:
         index = len(instant.waiters)
         instant.waiters.append(waiter)
         turn = Turn(instant, index)
+        if not index and not expect_company:
+            return turn  # its turn is its own at once: nothing to wait for
         try:
             # The rest of the instant is read meanwhile: one whole pass without another of
             # its requests when it is alone, _QUIET in a row once it has company.
