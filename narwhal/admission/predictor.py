@@ -211,11 +211,9 @@ def joined_by(
     walked, is past ``budget_s`` are taken to be refused, and join nothing.
 
     A prompt placed on an engine while the step holding the end of another's prefill has not
-    started shares that step, and the step ends later: by what the joiner adds to it when it
-    adds no step of its own, else by the compute of its tokens that fit in the step's room (as
-    the forecast revises a placed prompt, :meth:`~narwhal.scheduling.forecast.PrefillForecast.
-    place`). Steps it adds after the request's own do not delay it: the engine prefills first
-    come, first served.
+    started shares that step, and the step ends later, as the forecast revises a placed prompt
+    (:meth:`~narwhal.scheduling.forecast.PrefillForecast.join_delay_s`). Steps it adds after the
+    request's own do not delay it: the engine prefills first come, first served.
     """
     walk = plan.copy()
     mine = walk.engines[plan.engines.index(chosen)]
@@ -239,11 +237,7 @@ def joined_by(
         after = mine.backlog
         if after.tokens <= waiter.prompt_tokens or end <= before.last_step_at:
             continue  # it did not join the step the request's prefill ends in
-        if after.last_step_at == before.last_step_at:  # it added no step: the step is longer
-            end += after.free_at - before.free_at
-        else:  # its tokens that fit in the room left
-            tokens_s = forecast.profile.prefill_per_token_ms * waiter.prompt_tokens / 1000
-            end += min(forecast.room_s(before, batch), tokens_s * forecast.scale)
+        end += forecast.join_delay_s(before, after, waiter.prompt_tokens, batch[0])
     return end - own.free_at
 
 

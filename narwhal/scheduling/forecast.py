@@ -415,17 +415,22 @@ class PrefillForecast:
         Their step now also carries the newcomer's tokens that fit in it (all of them when it
         added no step): they get their first tokens when the longer step ends.
         """
-        if self.pipeline.last_step_at == ahead.last_step_at:  # it added no step
-            delay = self.pipeline.free_at - ahead.free_at
-        else:
-            room = self._room_tokens(ahead, self.decoding)
-            delay = self.profile.prefill_per_token_ms * min(tokens, room) / 1000 * self.scale
+        delay = self.join_delay_s(ahead, self.pipeline, tokens, self.decoding)
         if delay <= 0:
             return
         for placed in self.pending.values():  # the newcomer is not among them yet
             if placed.done + self._shift > ahead.last_step_at:
                 placed.done += delay
                 placed.joined_s += delay
+
+    def join_delay_s(self, ahead: Backlog, after: Backlog, tokens: int, decoding: int) -> float:
+        """How much later the prompts in the last step of ``ahead`` end once a prompt of
+        ``tokens`` joined that step and left ``after``, beside ``decoding`` sequences: all it
+        added when it added no step, else the compute of its tokens that fit in the room."""
+        if after.last_step_at == ahead.last_step_at:  # it added no step
+            return after.free_at - ahead.free_at
+        room = self._room_tokens(ahead, decoding)
+        return self.profile.prefill_per_token_ms * min(tokens, room) / 1000 * self.scale
 
     def joined_s(self, key: int) -> float:
         """How much later than predicted at placement the placed request ``key`` gets its

@@ -124,8 +124,8 @@ class _RouterCollector(Collector):
         )
         yield GaugeMetricFamily(
             "narwhal_admission_tick_share",
-            "The share of recent instants that held more than one arrival: the chance a "
-            "projection gives that the requests behind it in its instant join its step",
+            "The share of recent instants that held more than one arrival: for a request "
+            "alone in its instant, the chance a projection gives that more join its step",
             value=self._router.ticks.share,
         )
         yield from _monitoring(self._router, stats.engines)
