@@ -504,7 +504,8 @@ class Router(RouterBase):
             # The rest of its instant has been read (its turn): those behind it are walked. A
             # request alone in its instant expects the learned share of ticks' joiners.
             chance = self.ticks.arrive(now)
-            if turn is not None and not turn.alone:
+            company = turn is not None and not turn.alone
+            if company:
                 chance = 0.0
             behind = turn.behind if turn is not None else []
             projection = project(
@@ -523,6 +524,7 @@ class Router(RouterBase):
                 overloaded=self.margin.overloaded(now, budget),
                 joiners=chance,
                 behind=behind,
+                company=company,
             )
             serviceable = projection is not None
             if projection is not None:

@@ -9,6 +9,7 @@ import httpx
 import pytest
 import trio
 
+from narwhal.admission.margin import SafetyMargin
 from narwhal.config import AdmissionConfig, ServingConfig
 from narwhal.errors import PredictiveRefusal
 from narwhal.scheduling.health import Failure
@@ -281,6 +282,32 @@ async def test_projection_over_budget_is_refused_with_the_overrun(
     await trio.sleep(0.001)
     text = (await fleet.client.get("/metrics")).text
     assert "narwhal_admission_caution_quantile 0.99" in text
+
+
+async def test_requests_of_one_instant_are_judged_with_their_company(
+    start_fleet: StartFleet, autojump_clock: trio.testing.MockClock, monkeypatch: Any
+) -> None:
+    # Three requests in one instant: the first, while no tick is expected, is decided at once,
+    # alone; the two behind it are decided with the rest of their instant, as a tick's (the
+    # margin reads them at its tick quantile while admission is not refusing). A request of a
+    # later instant is alone again.
+    fleet = await start_fleet(admission=AdmissionConfig(mode="shadow"))
+    seen: list[bool] = []
+    original = SafetyMargin.caution_s
+
+    def spy(self: SafetyMargin, *args: Any, company: bool = False, **kwargs: Any) -> float:
+        seen.append(company)
+        return original(self, *args, company=company, **kwargs)
+
+    monkeypatch.setattr(SafetyMargin, "caution_s", spy)
+    async with trio.open_nursery() as tick:
+        for _ in range(3):
+            tick.start_soon(post, fleet)
+    assert seen == [False, True, True]
+    seen.clear()
+    await trio.sleep(1.0)
+    assert (await post(fleet)).status_code == 200
+    assert seen == [False]
 
 
 @pytest.mark.parametrize(

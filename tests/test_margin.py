@@ -113,6 +113,28 @@ def test_while_admission_is_not_refusing_the_caution_is_read_at_the_median() -> 
     assert SafetyMargin().quiet_quantile == 0.5
 
 
+def test_a_request_of_a_tick_is_read_lower_while_quiet_and_may_come_under_its_typical() -> None:
+    """A request decided with the rest of its instant (a tick's, ``company``) knows every
+    request that arrived with it, and while admission is not refusing nobody else waits at the
+    edge: it is read at the tick quantile (the 20th percentile), which may lie under its
+    typical first token. A request alone is read at the median, never under its typical; while
+    refusing, both are read alike."""
+    margin = quick(min_samples=32, window=200, outcomes=200, quiet_quantile=0.5, tick_quantile=0.2)
+    for number in range(200):
+        _waited(margin, 1.0, 1.0 + number / 400)  # 0 to 0.4975 s late, every one in budget
+    assert margin.typical(1.0, 0.1)[0] == pytest.approx(1.25)  # the median ratio
+    assert margin.reading(overloaded=False, company=True) == 0.2
+    # The 20th percentile of a 1.0 s wait comes 0.1 s late, 0.15 s before the typical 1.25.
+    assert margin.caution_s(1.0, 0.1, company=True) == pytest.approx(-0.15)
+    assert margin.caution_s(1.0, 0.1) == pytest.approx(0.0)  # alone: the median, no lower
+    # Refusing: the 95th percentile and the overload share, with company or not.
+    refusing = margin.caution_s(1.0, 0.1, overloaded=True)
+    assert margin.caution_s(1.0, 0.1, overloaded=True, company=True) == refusing
+    assert refusing == pytest.approx(1.475 - 1.25 + 0.25)
+    # The shipped margin reads a tick's request at the 20th percentile while quiet.
+    assert SafetyMargin().tick_quantile == 0.2
+
+
 def test_a_seat_no_seat_has_taught_is_judged_with_the_compute_aheads_waits() -> None:
     """On traffic whose waits are seldom for a seat, the seat's bands stay untaught: a seat
     that is part of a wait the compute ahead's bands know is not given the seat's prior (twice

@@ -236,6 +236,25 @@ def test_the_safety_margin_of_a_request_that_hardly_waits_is_on_both_apart() -> 
     assert caution < wait_caution + own_caution
 
 
+def test_a_request_of_a_tick_is_judged_at_the_margins_tick_quantile() -> None:
+    # Waits like this one have come from on time to 0.5 s late: a request decided with the
+    # rest of its instant, while admission is not refusing, is judged at the 20th percentile
+    # of that (under its typical first token); one alone at the median.
+    engine = _engine(decode_limit=200, decoding=100, context=100_000, prefill_limit=4)
+    ahead = [_waiter() for _ in range(4)]
+    plain = _project(engine, ahead, overhead_s=0.005)
+    margin = SafetyMargin()
+    wait, own = plain.wait_s, plain.own_prefill_s
+    for number in range(200):
+        late = 0.5 * number / 200
+        margin.observe(0.005, wait, own, 0.005 + wait + late + own, budget_s=2.0)
+    alone = _project(engine, ahead, overhead_s=0.005, margin=margin)
+    tick = _project(engine, ahead, overhead_s=0.005, margin=margin, company=True)
+    assert tick.typical_s == alone.typical_s
+    assert alone.ttft_s == pytest.approx(alone.typical_s)  # the median is the typical
+    assert tick.ttft_s == pytest.approx(alone.typical_s - 0.3 * 0.5, abs=0.01)
+
+
 def test_a_request_that_waits_for_nothing_gets_no_caution_on_a_wait() -> None:
     engine = _engine(decode_limit=8)
     margin = SafetyMargin(compute_late=Overruns(3.0), own=Overruns(1.0))

@@ -52,7 +52,11 @@ rest.
 **While admission is not refusing**, each part is read at its median
 (:attr:`SafetyMargin.quiet_quantile`): nobody waits at the edge behind a request then, so
 admitting it risks its own budget only, and it is admitted when it is as likely to meet the
-budget as not.
+budget as not. A request decided with the rest of its instant (a tick's,
+:mod:`narwhal.admission.instants`) knows every request that arrived with it: it is read at the
+20th percentile (:attr:`SafetyMargin.tick_quantile`), which may lie under its typical (the
+parts that come early there count against those that come late), and admitted when one in five
+like it met the budget.
 
 A wait partly for a seat, where no seat has taught its band (traffic whose waits are seldom
 mostly for a seat), is judged whole by the compute ahead's bands once they know a wait that
@@ -221,6 +225,16 @@ class Overruns:
             self.bands[index].add(observed_s - predicted_s)
 
 
+def _apart(first: float, second: float, early: bool) -> float:
+    """Two parts' deviations from their typical, added as independent errors do
+    (root-sum-square): the late ones' beyond typical less, where ``early``, the early ones'
+    under it (otherwise an early part counts as none)."""
+    late = math.hypot(max(0.0, first), max(0.0, second))
+    if not early:
+        return late
+    return late - math.hypot(min(0.0, first), min(0.0, second))
+
+
 @attrs.define
 class SafetyMargin:
     """How much later than typical a first token may come: on the wait, and on the own prefill.
@@ -259,6 +273,10 @@ class SafetyMargin:
         quiet_quantile: the quantile the parts' cautions are read at while admission is not
             refusing (the median: a request is admitted when it is as likely to meet the
             budget as not; ``None``: as while it refuses).
+        tick_quantile: the same for a request decided with the rest of its instant, a tick's
+            (the 20th percentile: it knows every request that arrived with it, and a refusal
+            of what would have met loses its work where a miss costs its own engine time;
+            ``None``: as ``quiet_quantile``).
     """
 
     compute_late: Overruns = attrs.field(factory=lambda: Overruns(1.5))
@@ -277,6 +295,7 @@ class SafetyMargin:
     outcomes: int = 512
     overload_share: float = 0.25
     quiet_quantile: float | None = 0.5
+    tick_quantile: float | None = 0.2
     _missed: deque[bool] = attrs.field(init=False, factory=deque)
     _misses: int = attrs.field(init=False, default=0)
     _refused_at: float = attrs.field(init=False, default=-math.inf)
@@ -305,12 +324,16 @@ class SafetyMargin:
             return self.calm_quantile
         return None
 
-    def reading(self, overloaded: bool) -> float | None:
-        """The quantile the parts' cautions are read at: :attr:`quiet_quantile` while admission
-        is not refusing (``overloaded`` false), :attr:`quantile` while it is (``None``: each
-        window's own, the 99th percentile)."""
-        if not overloaded and self.quiet_quantile is not None:
-            return self.quiet_quantile
+    def reading(self, overloaded: bool, company: bool = False) -> float | None:
+        """The quantile the parts' cautions are read at: while admission is not refusing
+        (``overloaded`` false), :attr:`tick_quantile` for a request decided with the rest of its
+        instant (``company``), :attr:`quiet_quantile` for any other; :attr:`quantile` while it
+        refuses (``None``: each window's own, the 99th percentile)."""
+        if not overloaded:
+            if company and self.tick_quantile is not None:
+                return self.tick_quantile
+            if self.quiet_quantile is not None:
+                return self.quiet_quantile
         return self.quantile
 
     def caution_quantile(self, *, overloaded: bool = True) -> float:
@@ -391,8 +414,11 @@ class SafetyMargin:
         budget_s: float = 2.0,
         seat_s: float = 0.0,
         overloaded: bool = False,
+        company: bool = False,
     ) -> float:
-        """What the projection adds to the typical first token (seconds, never negative).
+        """What the projection adds to the typical first token (seconds): never negative but
+        for a tick's request read under the median (``company``, :attr:`tick_quantile`), whose
+        parts that come early at that quantile count against those that come late.
 
         Args:
             wait_s: the predicted wait.
@@ -405,6 +431,9 @@ class SafetyMargin:
             seat_s: the part of ``wait_s`` that is for a seat.
             overloaded: admission is refusing (:meth:`overloaded`): add ``overload_share`` of
                 the predicted wait.
+            company: the request is decided with the rest of its instant, a tick's
+                (:mod:`narwhal.admission.instants`): read at :attr:`tick_quantile` while
+                admission is not refusing.
         """
         seat_s = min(max(0.0, seat_s), wait_s)
         compute_s = wait_s - seat_s
@@ -413,25 +442,28 @@ class SafetyMargin:
         # Each part of the wait as late as waits of its kind and length came, beyond its
         # typical; the two err apart (a prefill's speed and neighbours, outputs' lengths), so
         # their cautions add root-sum-square, as the wait's and the own prefill's do.
-        quantile = self.reading(overloaded)
+        quantile = self.reading(overloaded, company)
         seat_unknown = seat_s > 0 and not self.seat_late.taught(seat_s, budget_s)
         if seat_unknown and self.compute_late.taught(wait_s, budget_s):
             # No wait for a seat has taught its band (seats seldom hold this traffic's waits),
             # waits for the compute ahead have: the wait is judged as those were, whole.
             compute_s, typical_compute, seat_s, typical_seat = wait_s, typical_wait, 0.0, 0.0
-        compute_over = max(
-            0.0, self.compute_late.cautious_s(compute_s, budget_s, quantile) - typical_compute
-        )
-        seat_over = max(0.0, self.seat_late.cautious_s(seat_s, budget_s, quantile) - typical_seat)
-        wait = max(0.0, math.hypot(compute_over, seat_over), overrun * wait_s - typical_wait)
+        compute_over = self.compute_late.cautious_s(compute_s, budget_s, quantile) - typical_compute
+        seat_over = self.seat_late.cautious_s(seat_s, budget_s, quantile) - typical_seat
+        # Read under the median (quiet), a part may come earlier than typical: the caution
+        # then goes under the typical first token. Otherwise it never does.
+        early = quantile is not None and quantile < 0.5
+        wait = max(_apart(compute_over, seat_over, early), overrun * wait_s - typical_wait)
+        if not early:
+            wait = max(0.0, wait)
         own = 0.0
         if not self.waits(wait_s, budget_s):
             cautious_own = self.own.cautious_s(own_prefill_s, budget_s, quantile)
-            own = max(0.0, cautious_own - self._typical_own(wait_s, own_prefill_s, budget_s))
+            own = cautious_own - self._typical_own(wait_s, own_prefill_s, budget_s)
         # The wait's error and the own prefill's are apart (a queue's, and a step's neighbour):
         # both at their 99th percentile at once is far rarer than either, so their cautions
         # add as independent errors do, root-sum-square, not as a sum.
-        caution = math.hypot(wait, own)
+        caution = _apart(wait, own, early)
         if overloaded:
             caution += self.overload_share * wait_s
         return caution

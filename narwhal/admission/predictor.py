@@ -122,6 +122,7 @@ def project(
     overloaded: bool = False,
     joiners: float = 0.0,
     behind: Sequence[Waiter] = (),
+    company: bool = False,
 ) -> Projection | None:
     """Project the TTFT of a request arriving now; ``None`` when no engine could serve it.
 
@@ -152,6 +153,10 @@ def project(
             (:class:`~narwhal.admission.instants.Turn`): the rule is walked over them too, on
             a copy of the plan, and its first token is as late as those that join its last
             prefill step make it (:func:`joined_by`); ``joiners`` then plays no part.
+        company: it is decided with the rest of its instant, in a tick of several requests
+            (:class:`~narwhal.admission.instants.Turn`): the margin reads its caution at its
+            tick quantile while admission is not refusing
+            (:attr:`~narwhal.admission.margin.SafetyMargin.tick_quantile`).
     """
     engines = list(engines)
     over = beyond_context(engines, request.prompt_tokens, request.need_token_ids)
@@ -194,6 +199,7 @@ def project(
         budget_s=budget_s,
         seat_s=seat_s,
         overloaded=overloaded,
+        company=company,
     )
 
 
@@ -254,12 +260,19 @@ def _projection(
     beyond_context: bool = False,
     seat_s: float = 0.0,
     overloaded: bool = False,
+    company: bool = False,
 ) -> Projection:
     typical_wait, typical_own, caution = wait_s, own_prefill_s, 0.0
     if margin is not None:
         typical_wait, typical_own = margin.typical(wait_s, own_prefill_s, seat_s, budget_s=budget_s)
         caution = margin.caution_s(
-            wait_s, own_prefill_s, overrun, budget_s=budget_s, seat_s=seat_s, overloaded=overloaded
+            wait_s,
+            own_prefill_s,
+            overrun,
+            budget_s=budget_s,
+            seat_s=seat_s,
+            overloaded=overloaded,
+            company=company,
         )
     typical_s = fixed_s + typical_wait + typical_own
     return Projection(
