@@ -113,8 +113,9 @@ class _RouterCollector(Collector):
         )
         yield GaugeMetricFamily(
             "narwhal_admission_caution_quantile",
-            "The quantile the caution's parts are read at: 0.5 while admission is not refusing; "
-            "while it is, 0.95 while what is admitted meets the budget, else 0.99",
+            "The quantile the caution's parts are read at: 0.5 while admission is not refusing "
+            "(0.2 for a request of a tick); while it is, 0.95 while what is admitted meets the "
+            "budget, else 0.99",
             value=margin.caution_quantile(overloaded=refusing),
         )
         yield GaugeMetricFamily(
