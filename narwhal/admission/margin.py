@@ -454,8 +454,6 @@ class SafetyMargin:
         # then goes under the typical first token. Otherwise it never does.
         early = quantile is not None and quantile < 0.5
         wait = max(_apart(compute_over, seat_over, early), overrun * wait_s - typical_wait)
-        if not early:
-            wait = max(0.0, wait)
         own = 0.0
         if not self.waits(wait_s, budget_s):
             cautious_own = self.own.cautious_s(own_prefill_s, budget_s, quantile)

@@ -89,13 +89,9 @@ class _Ends:
     def copy(self) -> _Ends:
         """The sweep as it stands, to go on apart."""
         twin = _Ends.__new__(_Ends)
-        twin._tpot_s = self._tpot_s
+        for name in _Ends.__slots__:
+            setattr(twin, name, getattr(self, name))
         twin._knots = list(self._knots)
-        twin._time = self._time
-        twin._freed = self._freed
-        twin._slope = self._slope
-        twin._taken = self._taken
-        twin._next = self._next
         return twin
 
     def next(self) -> float:
