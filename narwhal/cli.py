@@ -119,7 +119,8 @@ def run_listening(command: str, bind: str, main: Callable[[], Awaitable[None]]) 
     """``trio.run(main)`` for a command that listens on ``bind``; returns the exit status.
 
     A refused bind (port in use, unknown host) and a configuration error raised while serving
-    are one line on standard error and exit status 2; Ctrl-C before the server handles it is 0.
+    are one line on standard error and exit status 2; Ctrl-C before the server handles it is 0,
+    also when it comes out of a nursery (as one or more exception groups of nothing else).
     """
     import trio
 
@@ -128,6 +129,8 @@ def run_listening(command: str, bind: str, main: Callable[[], Awaitable[None]]) 
     except KeyboardInterrupt:
         return 0
     except (Exception, BaseExceptionGroup) as exc:
+        if isinstance(exc, BaseExceptionGroup) and exc.split(KeyboardInterrupt)[1] is None:
+            return 0
         leaf = _only_leaf(exc)
         if isinstance(leaf, (ConfigError, *_start_failures())):
             print(f"narwhal {command}: {leaf}", file=sys.stderr)
