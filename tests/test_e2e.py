@@ -7,7 +7,6 @@ import json
 from collections.abc import AsyncIterator
 from functools import partial
 
-import httpx
 import openai
 import pytest
 import trio
@@ -18,6 +17,7 @@ from narwhal.server import serve
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.server import serve_sim
 from narwhal.sim.timing import StepTiming
+from tests.support import wait_ready
 
 pytestmark = pytest.mark.realtime
 
@@ -45,10 +45,7 @@ async def router_url(nursery: trio.Nursery) -> AsyncIterator[str]:
     config = Config(serving=ServingConfig(model=MODEL), engines=tuple(engines))
     urls = await nursery.start(partial(serve, config, bind="127.0.0.1:0"))
     url = urls[0]
-    async with httpx.AsyncClient() as client:
-        with trio.fail_after(20):
-            while (await client.get(f"{url}/ready")).status_code != 200:  # noqa: ASYNC110
-                await trio.sleep(0.02)
+    await wait_ready(url)
     yield url
 
 

@@ -35,7 +35,7 @@ from narwhal.scheduling.profiles import PROFILES
 from narwhal.server import serve as serve_router
 from narwhal.upstream.client import ErrorFrameEvent, normalise_engine_error
 from tests.conftest import MODEL, Fleet, StartFleet
-from tests.support import sse_payloads, until
+from tests.support import sse_payloads, until, wait_ready
 from tests.test_transport import read_request, serve
 from tests.test_upstream_errors import answer, chunk
 
@@ -466,10 +466,7 @@ async def frame_engines(nursery: trio.Nursery) -> AsyncIterator[tuple[str, list[
         monitoring=MonitoringConfig(profiling=False),
     )
     urls = await nursery.start(partial(serve_router, config, bind="127.0.0.1:0"))
-    async with httpx.AsyncClient() as client:
-        with trio.fail_after(20):
-            while (await client.get(f"{urls[0]}/ready")).status_code != 200:  # noqa: ASYNC110
-                await trio.sleep(0.02)
+    await wait_ready(urls[0])
     yield urls[0], engines
 
 

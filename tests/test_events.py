@@ -55,7 +55,7 @@ from narwhal.web.events import (
 )
 from narwhal.web.http11 import HTTP11Protocol
 from tests.conftest import MODEL, engine_config
-from tests.support import until
+from tests.support import until, wait_ready
 
 TOKEN = "feed-s3cret"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
@@ -587,10 +587,7 @@ async def start_live(nursery: trio.Nursery, config: Config) -> Live:
 
     [url] = await nursery.start(run)
     live = Live(url, int(url.rpartition(":")[2]), stop, stopped)
-    async with httpx.AsyncClient() as client:
-        with trio.fail_after(20):
-            while (await client.get(f"{url}/ready")).status_code != 200:  # noqa: ASYNC110
-                await trio.sleep(0.02)
+    await wait_ready(url)
     return live
 
 

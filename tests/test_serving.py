@@ -25,7 +25,7 @@ import trio
 from narwhal.config import Config, ControlConfig, EngineConfig, MonitoringConfig, ServingConfig
 from narwhal.demo import demo_transports
 from narwhal.server import CLOSE_GRACE_S, CUT_GRACE_S, serve
-from tests.support import sse_payloads
+from tests.support import sse_payloads, wait_ready
 
 pytestmark = pytest.mark.realtime
 
@@ -88,13 +88,7 @@ async def start(nursery: trio.Nursery, settings: Config, *, time_scale: float = 
 
     urls = await nursery.start(run)
     served = Served(urls[0], int(urls[0].rpartition(":")[2]), stop, stopped)
-    # A fresh connection per poll: with a header timeout of a few tenths of a second, a pooled
-    # connection can be closed by the router just as the next poll is sent on it (on a busy
-    # machine the poll's 20 ms can stretch past the timeout), and httpx does not resend.
-    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        with trio.fail_after(20):
-            while (await client.get(f"{served.url}/ready")).status_code != 200:  # noqa: ASYNC110
-                await trio.sleep(0.02)
+    await wait_ready(served.url)
     return served
 
 

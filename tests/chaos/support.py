@@ -42,7 +42,7 @@ from narwhal.sim.timing import StepTiming
 from narwhal.sim.transport import SimTransport
 from narwhal.web.app import create_app, get_router
 from tests.conftest import MODEL, Fleet, engine_config
-from tests.support import Pluggable, sse_payloads
+from tests.support import Pluggable, sse_payloads, wait_ready
 
 ENVELOPE_KEYS = frozenset({"message", "type", "param", "code"})
 # What a client must never read in an error message: exception reprs, tracebacks, addresses.
@@ -440,7 +440,7 @@ async def serve_router(
     urls = await nursery.start(partial(serve, config, bind="127.0.0.1:0", transports=transports))
     url: str = urls[0]
     if ready:
-        await wait_ready_url(url)
+        await wait_ready(url)
     return url, int(url.rpartition(":")[2])
 
 
@@ -468,18 +468,6 @@ async def served_books(url: str, tally: Tally | None = None, *, within_s: float 
     if tally is not None:
         assert counters["offered"] == tally.sent, (counters, tally)
         assert terminals == tally.expected_counters(), (terminals, dict(tally.ended))
-
-
-async def wait_ready_url(url: str, *, within_s: float = 20.0) -> None:
-    async with httpx.AsyncClient() as client:
-        with trio.fail_after(within_s):
-            while True:
-                try:
-                    if (await client.get(f"{url}/ready")).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await trio.sleep(0.02)
 
 
 # -- raw sockets --------------------------------------------------------------------------------

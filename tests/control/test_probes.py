@@ -19,6 +19,7 @@ from narwhal.demo import demo_transports
 from narwhal.server import serve
 from narwhal.web.probes import ProbeListener, probe_listener
 from tests.conftest import MODEL
+from tests.support import wait_ready
 
 pytestmark = pytest.mark.realtime
 
@@ -158,11 +159,8 @@ async def served(
     )
     told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Probes on ")]
     probe_url = told[0].removeprefix("Probes on ").split(" ")[0]
-    async with httpx.AsyncClient() as client:
-        with trio.fail_after(20):
-            for url in (urls[0], probe_url):
-                while (await client.get(f"{url}/ready")).status_code != 200:  # noqa: ASYNC110
-                    await trio.sleep(0.02)
+    for url in (urls[0], probe_url):
+        await wait_ready(url)
     yield urls[0], probe_url
     stop.set()
 
@@ -209,7 +207,4 @@ async def test_probes_answer_while_the_trio_loop_is_blocked(served: tuple[str, s
     assert body["reason"].startswith("router_monitoring_degraded: event loop unresponsive")
     assert health_status == 200  # busy or blocked, the process is alive
     # The loop runs again: the next publication makes it ready.
-    async with httpx.AsyncClient() as client:
-        with trio.fail_after(10):
-            while (await client.get(f"{probes}/ready")).status_code != 200:  # noqa: ASYNC110
-                await trio.sleep(0.02)
+    await wait_ready(probes, within_s=10)

@@ -29,6 +29,7 @@ import trio
 from narwhal.bench.procstat import descendants
 from narwhal.bench.services import free_port
 from tests.conftest import MODEL
+from tests.support import wait_ready
 
 pytestmark = pytest.mark.realtime
 
@@ -120,10 +121,7 @@ async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
         serve = await start(tmp_path, "serve", "--config", str(config))
         processes.append(serve)
         pool = Pool(serve, await serve.find(URL), f"http://{probes}")
-        async with httpx.AsyncClient(timeout=5) as client:
-            with trio.fail_after(30):
-                while (await client.get(f"{pool.url}/ready")).status_code != 200:  # noqa: ASYNC110
-                    await trio.sleep(0.05)
+        await wait_ready(pool.url, within_s=30, step_s=0.05)
         assert len(pool.workers()) == 2
         yield pool
     finally:
