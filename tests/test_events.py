@@ -636,6 +636,35 @@ async def test_a_bad_token_is_a_raw_http_401_before_any_upgrade(
 
 
 @pytest.mark.realtime
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits=abc\r\n",
+        b"Sec-WebSocket-Extensions: \xe9x\r\n",
+        b"Sec-WebSocket-Protocol: \xff\r\n",
+        b"Connection: keep-alive, \xff\r\n",
+    ],
+    ids=["unreadable window size", "non-ASCII extension", "non-ASCII protocol", "non-ASCII token"],
+)
+async def test_a_handshake_hypercorn_cannot_read_is_a_400_envelope(
+    live: Live, header: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handshake whose headers Hypercorn cannot decode, or whose extension offer wsproto
+    cannot read, with a valid token: a 400 envelope before any upgrade. (It was no answer at
+    all, and a traceback in the log: Hypercorn raised making the handshake, or accepting it.)
+    The feed still serves."""
+    answer = await raw_answer(live.port, HANDSHAKE % (f"?token={TOKEN}".encode(), header))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer
+    assert b"upgrade" not in head.lower() and b"sec-websocket-accept" not in head.lower()
+    _envelope(body, "invalid_request")
+    assert not [record for record in caplog.records if record.levelname == "ERROR"]
+    with trio.fail_after(10):
+        async with open_feed(f"ws://127.0.0.1:{live.port}/admin/events?token={TOKEN}") as feed:
+            assert json.loads(await feed.get_message())["type"] == "hello"
+
+
+@pytest.mark.realtime
 async def test_a_live_feed_greets_summarises_and_follows_maintenance(live: Live) -> None:
     async with httpx.AsyncClient(base_url=live.url, headers=BEARER) as client:
         with trio.fail_after(20):

@@ -68,6 +68,8 @@ from hypercorn.typing import (
     Scope,
 )
 from hypercorn.utils import parse_socket_addr, suppress_body
+from wsproto.extensions import PerMessageDeflate
+from wsproto.handshake import server_extensions_handshake
 
 from narwhal.errors import envelope
 from narwhal.sockets import SocketStream
@@ -127,6 +129,21 @@ def websocket_upgrade(request: h11.Request) -> bool:
         and b"upgrade" in tokens
         and upgrade.strip().lower() == b"websocket"
     )
+
+
+def valid_handshake(request: h11.Request) -> bool:
+    """Whether ``request``'s WebSocket handshake can be taken through to an upgrade: valid by
+    Hypercorn's own check, its comma-separated headers ASCII, and its extension offers ones
+    that the server's ``permessage-deflate`` can read. Hypercorn decodes those headers when it
+    makes the handshake and reads the offers when the application accepts it, and raises
+    there: the client had no answer at all, and the log a traceback."""
+    try:
+        handshake = Handshake(list(request.headers), request.http_version.decode())
+        if handshake.extensions is not None:
+            server_extensions_handshake(handshake.extensions, [PerMessageDeflate()])
+    except ValueError:  # UnicodeDecodeError, and int() of a window size that is none
+        return False
+    return handshake.is_valid()
 
 
 def without_upgrade(request: h11.Request) -> h11.Request:
@@ -510,7 +527,7 @@ class HTTP11Protocol(H11Protocol):
                 if websocket_upgrade(event):
                     if not self._websocket_route(event):
                         event = without_upgrade(event)
-                    elif not Handshake(list(event.headers), event.http_version.decode()).is_valid():
+                    elif not valid_handshake(event):
                         await self._refuse(400, "Malformed WebSocket handshake.")
                         break
                 await self.send(Updated(idle=False))
