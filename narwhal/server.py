@@ -3,7 +3,7 @@ command line, and its graceful shutdown.
 
 The ASGI lifespan and the HTTP stream are Hypercorn's; the listeners, the connections
 (:class:`~narwhal.web.http11.Connections`) and the shutdown are ours. A shutdown (the trigger
-returns, or the first SIGINT/SIGTERM) goes:
+returns, or the first SIGINT, SIGTERM or SIGHUP) goes:
 
 1. ``router.begin_drain()``: ``/ready`` is 503, new completion requests get 503
    ``router_draining`` (connections are still accepted, so clients read that rather than a
@@ -45,6 +45,8 @@ from narwhal.web.probes import probe_listener, ready_answer
 
 __all__ = [
     "CUT_GRACE_S",
+    "IGNORED_SIGNALS",
+    "STOP_SIGNALS",
     "Shutdown",
     "console",
     "hypercorn_config",
@@ -165,8 +167,9 @@ async def serve(
             when it ends.
         transports: optional in-process transports by engine name (not with ``app``).
         shutdown_trigger: awaitable that begins a graceful shutdown when it returns.
-        handle_signals: SIGINT and SIGTERM begin a graceful shutdown (the first) and end its
-            drain at once (the second), reporting on standard error (the command line).
+        handle_signals: SIGINT, SIGTERM and SIGHUP begin a graceful shutdown (the first) and
+            end its drain at once (the second), reporting on standard error (the command line);
+            SIGUSR1 and SIGUSR2 are said and ignored.
         say: where the shutdown's progress lines go (default: standard error with
             ``handle_signals``, else the log).
         task_status: receives the list of bound URLs once listening.
@@ -321,18 +324,33 @@ async def _trigger(trigger: Callable[[], Awaitable[None]], shutdown: Shutdown) -
     shutdown.request()
 
 
+def _signals(*names: str) -> tuple[signal.Signals, ...]:
+    """The signals of ``names`` that this platform has."""
+    return tuple(getattr(signal, name) for name in names if hasattr(signal, name))
+
+
+STOP_SIGNALS = _signals("SIGINT", "SIGTERM", "SIGHUP")
+"""The signals that stop a listening command gracefully. SIGHUP is one: the terminal or a
+supervisor hung up. (Python's default for SIGHUP ends the process at once, streams cut.)"""
+IGNORED_SIGNALS = _signals("SIGUSR1", "SIGUSR2")
+"""Signals that are said and ignored (Python's default for them, too, ends the process)."""
+
+
 async def watch_signals(
     shutdown: Shutdown,
     say: Callable[[str], None],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """SIGINT/SIGTERM: the first begins the shutdown, the next ends the drain at once."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    """SIGINT, SIGTERM or SIGHUP (:data:`STOP_SIGNALS`): the first begins the shutdown, the
+    next ends the drain at once. SIGUSR1 and SIGUSR2 are said and ignored."""
+    with trio.open_signal_receiver(*STOP_SIGNALS, *IGNORED_SIGNALS) as signals:
         task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
-            if not shutdown.requested.is_set():
+            if signum in IGNORED_SIGNALS:
+                say(f"{name}: ignored")
+            elif not shutdown.requested.is_set():
                 say(f"{name}: shutting down")
                 shutdown.request()
             elif not shutdown.hurried.is_set():

@@ -732,6 +732,46 @@ async def cli_router(nursery: trio.Nursery, tmp_path: Any) -> AsyncIterator[tupl
                 await spawned.process.wait()
 
 
+async def test_sigusr_is_ignored_and_sighup_drains_as_sigterm_does(
+    cli_router: tuple[Process, str],
+) -> None:
+    """A signal is no abrupt end: SIGUSR1 and SIGUSR2 are said and ignored, and SIGHUP (the
+    terminal or a supervisor hung up) begins the graceful shutdown, as SIGTERM does. (Python's
+    default for each ended the process at once, status 129 or 138, a running stream cut and
+    nothing said.)"""
+    router, url = cli_router
+    async with httpx.AsyncClient() as client:
+        for signum in (signal.SIGUSR1, signal.SIGUSR2):
+            router.process.send_signal(signum)
+            with trio.fail_after(10):
+                while f"{signum.name}: ignored".encode() not in router.errors:  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            assert (await client.get(f"{url}/ready")).status_code == 200
+        router.process.send_signal(signal.SIGHUP)
+        with trio.fail_after(15):
+            code = await router.process.wait()
+    assert code == 0, router.errors
+    assert b"SIGHUP: shutting down" in router.errors
+    assert b"Traceback" not in router.errors
+
+
+async def test_narwhal_sim_ignores_sigusr1_and_stops_on_sighup(nursery: trio.Nursery) -> None:
+    sim = await spawn(nursery, "sim", "--bind", "127.0.0.1:0", "--model", MODEL)
+    try:
+        with trio.fail_after(30):
+            await sim.line_with(b"http://")
+            sim.process.send_signal(signal.SIGUSR1)
+            await sim.line_with(b"SIGUSR1: ignored")
+            assert sim.process.returncode is None
+            sim.process.send_signal(signal.SIGHUP)
+            assert await sim.process.wait() == 0, sim.errors
+    finally:
+        if sim.process.returncode is None:
+            sim.process.kill()
+        with trio.CancelScope(shield=True):
+            await sim.process.wait()
+
+
 async def test_sigterm_with_an_idle_openai_style_pooled_client_exits_at_once(
     cli_router: tuple[Process, str],
 ) -> None:

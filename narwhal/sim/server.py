@@ -242,6 +242,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``narwhal sim``: serve one simulated engine until Ctrl-C. Returns the exit status."""
     from narwhal.cli import bind_problem, run_listening, time_scale_problem
+    from narwhal.server import IGNORED_SIGNALS, STOP_SIGNALS
 
     args = _parser().parse_args(argv)
     problem = bind_problem(args.bind) or time_scale_problem(args.time_scale)
@@ -286,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Signals arrive through a receiver, not as KeyboardInterrupt: Trio may raise that in
         # whichever task runs, and Hypercorn swallows an exception in a request task.
         stop = trio.Event()
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with trio.open_signal_receiver(*STOP_SIGNALS, *IGNORED_SIGNALS) as signals:
             async with trio.open_nursery() as nursery:
                 url = await nursery.start(
                     partial(serve_sim, engine, args.bind, shutdown_trigger=stop.wait)
@@ -297,7 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{', ledger' if args.ledger else ''}) at {url}",
                     flush=True,
                 )
-                async for _ in signals:
+                async for signum in signals:
+                    if signum in IGNORED_SIGNALS:
+                        print(f"narwhal sim: {signal.Signals(signum).name}: ignored", flush=True)
+                        continue
                     stop.set()
                     break
 

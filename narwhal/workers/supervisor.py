@@ -19,7 +19,7 @@ and ``narwhal controller`` (the controller alone, for Hypercorn's own ``-w``).
    A worker that exits before every worker has connected fails the start instead
    (:class:`WorkerStartError`): the cause is not one a restart cures.
 
-The shutdown (the first SIGINT/SIGTERM with ``handle_signals``, or cancellation of the
+The shutdown (the first SIGINT, SIGTERM or SIGHUP with ``handle_signals``, or cancellation of the
 shutdown trigger's wait) goes: the controller begins draining (new requests, whichever worker
 reads them, get 503 ``router_draining``); every worker gets SIGTERM and drains as ``narwhal
 serve`` does (:mod:`narwhal.server`); they get ``control.drain_deadline_s`` plus
@@ -308,8 +308,8 @@ async def serve_workers(
         config: the configuration (``serving.workers`` workers are started).
         bind: ``HOST:PORT`` overriding ``serving.bind``.
         shutdown_trigger: awaitable that begins a graceful shutdown when it returns.
-        handle_signals: SIGINT and SIGTERM begin a graceful shutdown (the first) and end the
-            workers' drain at once (the second), reporting on standard error.
+        handle_signals: SIGINT, SIGTERM and SIGHUP begin a graceful shutdown (the first) and
+            end the workers' drain at once (the second), reporting on standard error.
         verbose: the workers log engine joins and errors too (``narwhal serve -v``).
         task_status: receives the list of bound URLs once every worker is connected.
 
@@ -406,8 +406,8 @@ async def run_controller(
     Args:
         config: the configuration; ``serving.controller_socket`` must be set.
         shutdown_trigger: awaitable that begins a graceful shutdown when it returns.
-        handle_signals: SIGINT and SIGTERM begin a graceful shutdown (the first) and end it at
-            once (the second), reporting on standard error.
+        handle_signals: SIGINT, SIGTERM and SIGHUP begin a graceful shutdown (the first) and
+            end it at once (the second), reporting on standard error.
         task_status: receives the socket path once the controller listens.
 
     Raises:
