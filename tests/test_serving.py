@@ -279,6 +279,16 @@ async def test_content_length_ten_bytes_short_then_close_a_hundred_times(router:
             400,
             id="length and chunked",
         ),
+        # Whole under either reading: which one ends the body decides where the next request
+        # begins (smuggling, RFC 9112 6.3). It was served, and the connection kept.
+        pytest.param(
+            request(
+                [("Content-Length", "12"), ("Transfer-Encoding", "chunked")],
+                b"2\r\n{}\r\n0\r\n\r\nGET /nope HTTP/1.1\r\nHost: x\r\n\r\n",
+            ),
+            400,
+            id="length and whole chunked",
+        ),
         pytest.param(b"GARBAGE\r\n\r\n", 400, id="garbage request line"),
         pytest.param(request([("Content-Length", "2")], b"{}", host=False), 400, id="no host"),
         pytest.param(request(line=b"GET /h\xc3\xa4 HTTP/1.1"), 400, id="non-ascii target"),
@@ -303,6 +313,29 @@ async def test_framing_errors_get_the_envelope_and_a_close(
         None,
     )
     assert "Error(" not in error["message"], error
+    # h11's own words, without the Python reprs of the client's bytes that they quote.
+    assert "b'" not in error["message"] and "bytearray" not in error["message"], error
+    await still_serving(router)
+
+
+async def test_a_body_the_server_cannot_read_is_counted_invalid_not_cancelled(
+    router: Served,
+) -> None:
+    """A malformed chunk in a completion request's body: the server answers the 400 itself,
+    and the request is counted ``invalid_requests`` (it was ``cancelled``: the application saw
+    the client go away)."""
+    raw = request([("Transfer-Encoding", "chunked")], b"2\r\n{}\r\n" + b"zz\r\n{}\r\n0\r\n\r\n")
+    async with httpx.AsyncClient() as client:
+        before = await _counters(client, router)
+        with trio.fail_after(20):
+            result = await exchange(router.port, [raw], half_close=True)
+            [answer] = result.answers
+            assert answer.status == 400, answer
+            assert answer.error()["message"] == "Malformed HTTP request: illegal chunk header."
+            while (after := await _counters(client, router))["in_flight"]:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+    changed = {name: after[name] - before[name] for name in after if after[name] != before[name]}
+    assert changed == {"offered": 1, "unsized_offered": 1, "invalid_requests": 1}, changed
     await still_serving(router)
 
 

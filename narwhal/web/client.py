@@ -21,9 +21,9 @@ from typing import Any
 import orjson
 import trio
 
-from narwhal.errors import NarwhalError, RequestTooLarge
+from narwhal.errors import InvalidRequest, NarwhalError, RequestTooLarge
 from narwhal.protocol.sse import encode_data, encode_done
-from narwhal.web.http11 import BODY_EXTENSION, DISCONNECT_EXTENSION
+from narwhal.web.http11 import BODY_EXTENSION, DISCONNECT_EXTENSION, REFUSED_EXTENSION
 
 __all__ = ["Client", "ClientGone", "request_id"]
 
@@ -66,6 +66,7 @@ class Client:
     """
 
     __slots__ = (
+        "_extensions",
         "_on_disconnect",
         "_receive",
         "_send",
@@ -89,6 +90,7 @@ class Client:
         self._on_disconnect: Callable[[Callable[[], None] | None], None] | None = extensions.get(
             DISCONNECT_EXTENSION
         )
+        self._extensions: dict[str, Any] = extensions  # the server adds to it (REFUSED_EXTENSION)
         self.headers = {
             bytes(name).decode("latin-1").lower(): bytes(value).decode("latin-1")
             for name, value in scope.get("headers", ())
@@ -108,6 +110,9 @@ class Client:
             RequestTooLarge: ``Content-Length`` or the running count passed ``limit``; a bounded
                 amount of the rest was drained first, so the client reads the 413.
             ClientGone: the client went away before the end of its body.
+            InvalidRequest: the server could not read the body, and answered the client with a
+                400 itself (:data:`~narwhal.web.http11.REFUSED_EXTENSION`): nothing more is
+                sent.
         """
         declared = self.headers.get("content-length", "").strip()
         if declared.isdigit() and int(declared) > limit:
@@ -119,6 +124,9 @@ class Client:
             message = await self._receive()
             if message["type"] != "http.request":
                 self.gone = True
+                refused = self._extensions.get(REFUSED_EXTENSION)
+                if refused is not None:
+                    raise InvalidRequest(refused)
                 raise ClientGone
             part = message.get("body", b"")
             size += len(part)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from time import time
@@ -77,6 +78,7 @@ from narwhal.sockets import SocketStream
 __all__ = [
     "BODY_EXTENSION",
     "DISCONNECT_EXTENSION",
+    "REFUSED_EXTENSION",
     "AppTasks",
     "Connection",
     "ConnectionStatistics",
@@ -156,6 +158,21 @@ def without_upgrade(request: h11.Request) -> h11.Request:
     )
 
 
+def _both_lengths(request: h11.Request) -> bool:
+    """Whether the request's head gives its body both a length and chunks."""
+    names = {name.lower() for name, _ in request.headers}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
+_REPR = re.compile(r":?\s*(?:bytearray\()?(?<!\w)b['\"].*", re.DOTALL)
+
+
+def protocol_problem(error: h11.ProtocolError) -> str:
+    """What h11 found wrong with a request, without the Python reprs of the client's bytes
+    that its messages quote (``illegal request line: bytearray(b'...')``)."""
+    return _REPR.sub("", str(error)).strip() or "unreadable"
+
+
 def _framing(request: h11.Request) -> bool:
     """Whether the request's head gives its body a length (or chunks)."""
     names = {name.lower() for name, _ in request.headers}
@@ -172,6 +189,12 @@ class LastBody(StreamEvent):
 BODY_EXTENSION = "narwhal.send_body"
 """The ASGI scope extension (``scope["extensions"]``) that holds a stream's body writer: an
 ``async`` callable taking the bytes of a ``more_body`` message (:meth:`HTTPStream.send_body`)."""
+
+REFUSED_EXTENSION = "narwhal.refused"
+"""The ASGI scope extension that the server sets, to the message it answered with, when it
+answered the request itself with a 400 because it could not read the request's body (a
+malformed chunk). The application then sees ``http.disconnect``; this tells it that the client
+was answered, not gone."""
 
 DISCONNECT_EXTENSION = "narwhal.on_disconnect"
 """The ASGI scope extension that tells the application of the client going away without a task
@@ -504,14 +527,26 @@ class HTTP11Protocol(H11Protocol):
                 if rest:
                     await self._after_last_request(rest)
                 break
+            reading_body = connection.their_state is h11.SEND_BODY
             try:
                 event = connection.next_event()
             except h11.RemoteProtocolError as error:
-                await self._refuse(error.error_status_hint, f"Malformed HTTP request: {error}.")
+                message = f"Malformed HTTP request: {protocol_problem(error)}."
+                if reading_body:  # the request's application reads a body it will not have
+                    self._body_refused(message)
+                await self._refuse(error.error_status_hint, message)
                 break
             if isinstance(event, h11.Request):
                 if event.http_version not in VERSIONS:
                     await self._refuse(505, "Only HTTP/1.0 and HTTP/1.1 are served.")
+                    break
+                if _both_lengths(event):
+                    # Which of the two ends the body is where a request is smuggled past a
+                    # proxy that reads the other (RFC 9112 6.3: reject it, or close after it).
+                    await self._refuse(
+                        400,
+                        "Malformed HTTP request: both Content-Length and Transfer-Encoding.",
+                    )
                     break
                 target = origin_form(event.target)
                 if target is None:
@@ -589,6 +624,19 @@ class HTTP11Protocol(H11Protocol):
             self.close_delimited = False
             self.body_ended_by_eof = True
             await self.stream.handle(EndBody(stream_id=STREAM_ID))
+
+    def _body_refused(self, message: str) -> None:
+        """The request whose body was being read is answered here, with ``message``
+        (:meth:`_refuse`), where the application has not begun an answer: it is told so
+        (:data:`REFUSED_EXTENSION`), so that it counts a refused request, not a client gone."""
+        stream = self.stream
+        if (
+            isinstance(stream, HTTPStream)
+            and not stream.closed
+            and self.connection.our_state in (h11.IDLE, h11.SEND_RESPONSE)
+        ):
+            extensions: dict[str, Any] = stream.scope["extensions"]
+            extensions[REFUSED_EXTENSION] = message
 
     async def _refuse(self, status: int, message: str) -> None:
         """Answer a request we cannot read with the envelope where the connection still can,
