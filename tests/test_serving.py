@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -437,6 +438,43 @@ async def test_a_client_that_closes_after_its_request_is_gone_at_once(router: Se
             while (now := await _counters(client, router))["cancelled"] == cancelled:  # noqa: ASYNC110
                 await trio.sleep(0.01)
     assert now["in_flight"] == 0 and now["failed"] == 0
+    await still_serving(router)
+
+
+async def test_a_client_gone_while_its_answer_is_all_in_hand_is_cancelled_at_once(
+    router: Served,
+) -> None:
+    """A client that takes the head of a long stream and leaves (a reset), while the engine's
+    whole answer is already in hand: the relay stops at its first write that finds the
+    connection broken, and the request is ``cancelled``. (It went on through the rest of the
+    answer, written nowhere, before its next checkpoint, and counted it ``completed``: a
+    demo's 60 such clients held its loop for 12 s.)"""
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "narwhal_sim": {"output_tokens": 3_000, "itl_s": 0.0},
+        }
+    ).encode()
+    raw = request([("Content-Length", str(len(body))), ("Content-Type", "application/json")], body)
+    async with httpx.AsyncClient() as client:
+        before = await _counters(client, router)
+        with trio.fail_after(20):
+            sock = trio.socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            await sock.connect(("127.0.0.1", router.port))
+            with sock:
+                await sock.send(raw)
+                assert (await sock.recv(64)).startswith(b"HTTP/1.1 200")
+                # Closed with unread bytes, and lingering for nothing: a reset.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            while (after := await _counters(client, router))["in_flight"]:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+    changed = {name: after[name] - before[name] for name in after if after[name] != before[name]}
+    assert changed == {"offered": 1, "cancelled": 1}, changed
     await still_serving(router)
 
 
