@@ -652,7 +652,8 @@ class HTTP11Protocol(H11Protocol):
 
     async def _refuse(self, status: int, message: str) -> None:
         """Answer a request we cannot read with the envelope where the connection still can,
-        then close. The application's stream, if one runs, sees the client go away."""
+        then close. The application's stream, if one runs, sees the client go away (unless
+        :meth:`_body_refused` told it that the client was answered)."""
         self.input_done = True
         if self.connection.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             await self.send_envelope(status, message)
