@@ -791,9 +791,7 @@ async def cli_router(nursery: trio.Nursery, tmp_path: Any) -> AsyncIterator[tupl
         with trio.fail_after(30):
             line = await router.line_with(b"http://")
             url = line.decode().rpartition(" on ")[2].strip()
-            async with httpx.AsyncClient() as client:
-                while (await client.get(f"{url}/ready")).status_code != 200:  # noqa: ASYNC110
-                    await trio.sleep(0.05)
+        await wait_ready(url)
         yield router, url
     finally:
         for spawned in processes:

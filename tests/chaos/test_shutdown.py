@@ -23,6 +23,7 @@ import trio
 
 from tests.chaos.support import check_answer, count_case
 from tests.conftest import MODEL
+from tests.support import wait_ready
 
 pytestmark = pytest.mark.realtime
 
@@ -80,15 +81,7 @@ async def router(tmp_path: Path) -> AsyncIterator[tuple[Process, str]]:
         serve = await start(tmp_path, "serve", "--config", str(config))
         processes.append(serve)
         url = await serve.url()
-        async with httpx.AsyncClient() as client:
-            with trio.fail_after(20):
-                while True:
-                    try:
-                        if (await client.get(f"{url}/ready")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    await trio.sleep(0.05)
+        await wait_ready(url)
         yield serve, url
     finally:
         for process in processes:

@@ -366,15 +366,8 @@ async def test_hypercorns_own_workers_share_one_controller(tmp_path: Path) -> No
                 NARWHAL_CONFIG=str(config),
             )
             processes.append(hypercorn)
+            await wait_ready(url, within_s=30)
             async with httpx.AsyncClient(timeout=5) as client:
-                with trio.fail_after(30):
-                    while True:
-                        try:
-                            if (await client.get(f"{url}/ready")).status_code == 200:
-                                break
-                        except httpx.TransportError:
-                            pass
-                        await trio.sleep(0.05)
                 for _ in range(4):
                     text, finish, _ = await trio.to_thread.run_sync(openai_stream, url)
                     assert text and finish in ("stop", "length")
